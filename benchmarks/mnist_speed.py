@@ -1,0 +1,80 @@
+"""Time one MNIST epoch three ways and print a table: the reference loop, step 1, and DDP over 2 processes.
+
+Each run is a fresh process (torchrun for DDP), started exactly as a user would start it, and
+reports its own training time; evaluation and start-up are not counted.
+
+    python benchmarks/mnist_speed.py --data-dir ../shared/data --plot images/mnist_speed_cpu.png
+"""
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def runs(data_dir: str, nproc: int) -> dict[str, list[str]]:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return {
+        "reference (per-sample transforms, fp32)": [sys.executable, "benchmarks/reference_mnist.py", "--data-dir", data_dir],
+        "mnist_1_single.py (default)": [sys.executable, "src/ch4/mnist_1_single.py", "--data-dir", data_dir],
+        f"mnist_3_ddp.py, {nproc} processes": [*torchrun, "src/ch4/mnist_3_ddp.py", "--data-dir", data_dir],
+    }
+
+
+def measure(command: list[str]) -> dict[str, float]:
+    """Run one configuration and read its 'train time' and 'test accuracy' lines."""
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if result.returncode:
+        sys.exit(f"error: {' '.join(command)} failed:\n{result.stderr[-2000:]}")
+    seconds, rate = re.search(r"train time ([\d.]+) s, (\d+) samples/s", result.stdout).groups()
+    accuracy = re.search(r"test accuracy ([\d.]+)% over (\d+) images", result.stdout).group(1)
+    return {"seconds": float(seconds), "samples_per_s": float(rate), "accuracy": float(accuracy)}
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    reference = next(iter(results.values()))["seconds"]
+    lines = ["| run | train s | samples/s | test accuracy | speed-up vs reference |", "|---|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['seconds']:.1f} | {r['samples_per_s']:.0f} | {r['accuracy']:.2f}% "
+                     f"| {reference / r['seconds']:.2f}x |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, float]], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(results)
+    seconds = [results[n]["seconds"] for n in names]
+    fig, ax = plt.subplots(figsize=(8, 3))
+    bars = ax.barh(names, seconds, color=["#999999", "#1f77b4", "#2ca02c"][: len(names)])
+    ax.bar_label(bars, [f"{s:.0f} s, {results[n]['accuracy']:.2f}%" for s, n in zip(seconds, names)], padding=3)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds for one training epoch (lower is better)")
+    ax.set_xlim(0, max(seconds) * 1.35)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"saved {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", required=True, help="folder holding MNIST/raw (e.g. ../shared/data)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes for the DDP run (default: 2)")
+    parser.add_argument("--plot", help="also save a bar chart to this PNG")
+    parser.add_argument("--title", default="One MNIST epoch", help="plot title, e.g. the machine's name")
+    args = parser.parse_args()
+    results = {}
+    for name, command in runs(args.data_dir, args.nproc).items():
+        results[name] = measure(command)
+        print(f"{name}: {results[name]}", flush=True)
+    print(table(results))
+    if args.plot:
+        plot(results, args.plot, args.title)
+
+
+if __name__ == "__main__":
+    main()
