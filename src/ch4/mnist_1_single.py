@@ -9,7 +9,7 @@ Run from the repository root (add --data-dir ../shared/data to use a local copy 
     python src/ch4/mnist_1_single.py --precision bf16    # bf16 autocast
     python src/ch4/mnist_1_single.py --loader classic    # per-sample PIL transforms, as in most tutorials
 
-Each later step marks the lines it changes with `# STEP`: `grep -n "# STEP" src/ch4/mnist_*.py`.
+Each later step marks the lines it changes with `# STEP`: `grep -n "# STEP" src/ch4/*.py`.
 """
 import time
 

@@ -26,8 +26,8 @@ from accelerate import Accelerator  # STEP
 from torch.utils.data import RandomSampler, SequentialSampler  # STEP
 
 from common.cli import mnist_parser
-from common.cli import per_process_batch  # STEP
-from common.distributed import print0
+from common.cli import per_process_batch
+from common.distributed import print0  # STEP
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, make_loader
 from common.precision import accelerate_mixed_precision  # STEP

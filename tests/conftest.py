@@ -1,0 +1,38 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mnist_files import write_tiny_mnist
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_IMAGES = 101  # divides by neither 2 nor 3 processes
+
+
+@pytest.fixture(scope="session")
+def tiny_mnist(tmp_path_factory) -> Path:
+    return write_tiny_mnist(tmp_path_factory.mktemp("mnist"), train_size=192, test_size=TEST_IMAGES)
+
+
+@pytest.fixture
+def run_command():
+    """Run a command as a user would, from the repository root, offline, with a time limit."""
+    def run(*args, cwd=ROOT, timeout=180):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               # any download attempt fails at once instead of reaching (or waiting on) the network
+               "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+               "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+               "HF_HUB_OFFLINE": "1"}
+        try:
+            return subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired as expired:
+            pytest.fail(f"{' '.join(map(str, args))} did not finish within {timeout} s:\n{expired.stdout}\n{expired.stderr}")
+    return run
+
+
+PYTHON = sys.executable
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone"]
+ACCELERATE = [PYTHON, "-m", "accelerate.commands.launch"]

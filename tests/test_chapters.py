@@ -1,0 +1,72 @@
+"""Keep the chapters honest: neighbouring scripts differ only in lines marked `# STEP`, and every
+file that a doc or a script's header tells the user to run exists."""
+import ast
+import difflib
+import re
+
+import pytest
+
+from conftest import ROOT
+
+MNIST_LADDER = ["mnist_1_single.py", "mnist_2_data_parallel.py", "mnist_3_ddp.py", "mnist_4_accelerate.py"]
+MARK = "# STEP"
+
+
+def code_lines(name):
+    """The script's lines after its header docstring."""
+    source = (ROOT / "src" / "ch4" / name).read_text()
+    docstring_end = ast.parse(source).body[0].end_lineno
+    return source.splitlines()[docstring_end:]
+
+
+def without_mark(line):
+    return line.split(MARK)[0].rstrip()
+
+
+def changes(before, after):
+    """Lines of `after` whose code (marks aside) the diff adds, and lines of `after` it keeps as they were.
+
+    Marks are compared away: a line that step 3 marked and step 4 keeps unmarked is unchanged code.
+    """
+    added, kept = [], []
+    matcher = difflib.SequenceMatcher(a=[without_mark(line) for line in before],
+                                      b=[without_mark(line) for line in after], autojunk=False)
+    for tag, _, _, j1, j2 in matcher.get_opcodes():
+        (kept if tag == "equal" else added).extend(after[j1:j2])
+    return added, kept
+
+
+@pytest.mark.parametrize("before, after", list(zip(MNIST_LADDER, MNIST_LADDER[1:])))
+def test_neighbours_differ_only_in_marked_lines(before, after):
+    added, kept = changes(code_lines(before), code_lines(after))
+    unmarked = [line for line in added if line.strip() and MARK not in line]
+    assert not unmarked, f"{after} changes lines of {before} without `{MARK}`:\n" + "\n".join(unmarked)
+    stale = [line for line in kept if MARK in line and without_mark(line).strip()]
+    assert not stale, f"{after} marks lines it does not change:\n" + "\n".join(stale)
+    assert added, f"{after} changes nothing in {before}"
+
+
+def test_the_base_script_marks_nothing():
+    assert not [line for line in code_lines(MNIST_LADDER[0]) if MARK in line]
+
+
+def test_the_check_above_catches_an_unmarked_change():
+    added, _ = changes(["a = 1", "b = 2"], ["a = 1", "b = 3"])
+    assert added == ["b = 3"] and MARK not in added[0]
+
+
+PATH = re.compile(r"(?<![\w/.-])((?:src|benchmarks|slurm|notebooks|images|tests|common|\.ci)/[\w./-]*\w)")
+
+
+def documented_paths():
+    texts = [ROOT / "README.md", *sorted((ROOT / "src" / "ch4").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
+    return sorted({(text.name, path) for text in texts for path in PATH.findall(text.read_text())})
+
+
+@pytest.mark.parametrize("where, path", documented_paths())
+def test_every_named_path_exists(where, path):
+    assert (ROOT / path).exists(), f"{where} names {path}, which does not exist"
+
+
+def test_paths_are_found_in_docs():
+    assert ("README.md", "src/ch4/mnist_3_ddp.py") in documented_paths()

@@ -1,0 +1,94 @@
+"""Each MNIST chapter script, run end to end the way the README says, on a tiny MNIST the tests write.
+
+The test set has 101 images, which divides by neither 2 nor 3 processes: every run must still report
+an accuracy over exactly 101 images.
+"""
+import pytest
+
+from conftest import ACCELERATE, PYTHON, ROOT, TEST_IMAGES, TORCHRUN
+
+CH4 = ROOT / "src" / "ch4"
+CPU_CONFIG = CH4 / "accelerate_configs" / "cpu_2_processes.yaml"
+EXACT = f"over {TEST_IMAGES} images"
+
+
+def assert_ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
+    assert EXACT in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("script", ["mnist_1_single.py", "mnist_2_data_parallel.py", "mnist_4_accelerate.py"])
+def test_one_process_with_python(run_command, tiny_mnist, script):
+    assert_ok(run_command(PYTHON, CH4 / script, "--data-dir", tiny_mnist))
+
+
+def test_classic_loader_and_two_epochs(run_command, tiny_mnist):
+    result = run_command(PYTHON, CH4 / "mnist_1_single.py", "--data-dir", tiny_mnist, "--loader", "classic",
+                         "--epochs", "2")
+    assert_ok(result)
+    assert "epoch 1:" in result.stdout
+
+
+def test_runs_from_inside_src_ch4(run_command, tiny_mnist):
+    assert_ok(run_command(PYTHON, "mnist_1_single.py", "--data-dir", tiny_mnist, cwd=CH4))
+
+
+@pytest.mark.parametrize("nproc, batch", [(2, 64), (3, 48)])
+def test_ddp_with_torchrun(run_command, tiny_mnist, nproc, batch):
+    result = run_command(*TORCHRUN, f"--nproc_per_node={nproc}", CH4 / "mnist_3_ddp.py",
+                         "--data-dir", tiny_mnist, "--batch-size", batch, "--dist-timeout", 60)
+    assert_ok(result)
+    assert f"global batch {batch} = {nproc} x {batch // nproc}" in result.stdout
+    assert result.stdout.count("test accuracy") == 1  # rank 0 prints, the others do not
+
+
+def test_accelerate_with_the_cpu_config(run_command, tiny_mnist):
+    result = run_command(*ACCELERATE, "--config_file", CPU_CONFIG, CH4 / "mnist_4_accelerate.py",
+                         "--data-dir", tiny_mnist)
+    assert_ok(result)
+    assert "2 processes on cpu" in result.stdout
+
+
+def test_accelerate_three_processes_without_a_config(run_command, tiny_mnist):
+    result = run_command(*ACCELERATE, "--multi_gpu", "--num_processes", "3", "--num_machines", "1",
+                         "--mixed_precision", "no", "--dynamo_backend", "no",
+                         CH4 / "mnist_4_accelerate.py", "--data-dir", tiny_mnist, "--batch-size", "48")
+    assert_ok(result)
+    assert "3 processes on cpu" in result.stdout
+
+
+# ---- bad input: one clear sentence and a non-zero exit, never a deep traceback ----
+
+def assert_clear_error(result, *phrases):
+    assert result.returncode != 0
+    for phrase in phrases:
+        assert phrase in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+def test_global_batch_that_does_not_divide(run_command, tiny_mnist):
+    result = run_command(*TORCHRUN, "--nproc_per_node=3", CH4 / "mnist_3_ddp.py", "--data-dir", tiny_mnist,
+                         "--batch-size", "64", "--dist-timeout", 60)
+    assert result.returncode != 0
+    assert "--batch-size 64 is the global batch and must divide evenly over 3 processes" in result.stderr
+
+
+def test_ddp_script_without_a_launcher(run_command, tiny_mnist):
+    result = run_command(PYTHON, CH4 / "mnist_3_ddp.py", "--data-dir", tiny_mnist)
+    assert_clear_error(result, "needs a launcher: torchrun --nproc_per_node=2")
+
+
+def test_missing_dataset_offline(run_command, tmp_path):
+    result = run_command(PYTHON, CH4 / "mnist_1_single.py", "--data-dir", tmp_path / "nothing-here")
+    assert_clear_error(result, "MNIST is not in", "pass --data-dir")
+
+
+def test_unknown_flag(run_command, tiny_mnist):
+    result = run_command(PYTHON, CH4 / "mnist_1_single.py", "--data-dir", tiny_mnist, "--bogus")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --bogus" in result.stderr
+
+
+def test_fp16_on_cpu(run_command, tiny_mnist):
+    result = run_command(PYTHON, CH4 / "mnist_1_single.py", "--data-dir", tiny_mnist, "--precision", "fp16")
+    assert_clear_error(result, "fp16 needs a CUDA GPU")

@@ -1,0 +1,57 @@
+"""DistributedEvalSampler covers every index exactly once; DistributedSampler pads, which is why it exists."""
+import pytest
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from common.samplers import DistributedEvalSampler
+
+
+def indices_over_ranks(sampler_class, size, world_size, **kwargs):
+    dataset = range(size)
+    per_rank = []
+    for rank in range(world_size):
+        sampler = sampler_class(dataset, num_replicas=world_size, rank=rank, **kwargs)
+        sampler.set_epoch(kwargs.get("seed", 0) + 3)
+        indices = list(sampler)
+        assert len(indices) == len(sampler)
+        per_rank.append(indices)
+    return per_rank
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 7, 10, 101, 1000, 10000])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 8, 16])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_index_exactly_once(size, world_size, shuffle):
+    per_rank = indices_over_ranks(DistributedEvalSampler, size, world_size, shuffle=shuffle, seed=5)
+    together = [i for indices in per_rank for i in indices]
+    assert sorted(together) == list(range(size))
+    assert max(map(len, per_rank)) - min(map(len, per_rank)) <= 1
+
+
+def test_distributed_sampler_pads_10000_over_7_ranks_to_10003():
+    per_rank = indices_over_ranks(DistributedSampler, 10000, 7, shuffle=False)
+    together = [i for indices in per_rank for i in indices]
+    assert len(together) == 10003
+    assert len(set(together)) == 10000
+    assert sum(map(len, indices_over_ranks(DistributedEvalSampler, 10000, 7))) == 10000
+
+
+def test_shuffle_is_deterministic_and_changes_with_epoch():
+    dataset = range(100)
+    a = DistributedEvalSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=1)
+    b = DistributedEvalSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=1)
+    assert list(a) == list(b)
+    first = list(a)
+    a.set_epoch(1)
+    assert list(a) != first and sorted(a) != first
+    assert list(DistributedEvalSampler(dataset, num_replicas=2, rank=1)) == list(range(1, 100, 2))
+
+
+def test_rank_outside_world_is_rejected():
+    with pytest.raises(ValueError, match="outside"):
+        DistributedEvalSampler(range(10), num_replicas=2, rank=2)
+
+
+def test_unshuffled_eval_keeps_dataset_order_within_a_rank():
+    sampler = DistributedEvalSampler(torch.arange(10), num_replicas=3, rank=0)
+    assert list(sampler) == [0, 3, 6, 9]
