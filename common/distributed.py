@@ -7,6 +7,7 @@ exports neither: one process, and no process group is needed.
 import builtins
 import contextlib
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -101,3 +102,10 @@ def main_process_first(local_rank: int):
     yield
     if waiting and local_rank == 0:
         dist.barrier()
+
+
+def free_port() -> int:
+    """A TCP port that nothing on this machine listens on now, for a single-machine rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,5 +1,5 @@
 """Run a function in N real processes joined into a gloo process group, with a hard time limit."""
-import socket
+import os
 import time
 from datetime import timedelta
 
@@ -8,17 +8,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common.distributed import free_port
 
 
 def _entry(rank, worker, world_size, port, args):
     torch.set_num_threads(1)  # N processes share 2 cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=60))
+    # the variables torchrun would set, so that code reading them (Accelerate, common.distributed) sees a launch
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
         worker(rank, world_size, *args)
     finally:

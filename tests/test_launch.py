@@ -3,10 +3,9 @@ ends the run with a message instead of a hang."""
 import pytest
 import torch
 
-from common.distributed import Launch, detect_launch, device_for, require_launcher
+from common.distributed import Launch, detect_launch, device_for, free_port, require_launcher
 from common.precision import autocast, resolve_precision
 from conftest import PYTHON
-from process_groups import free_port
 
 
 def test_torchrun_variables_win():

@@ -1,0 +1,113 @@
+"""Time the three hand-written all-reduces against dist.all_reduce, 1 KB to 64 MB, over gloo.
+
+For each world size it starts that many processes on this machine, times each algorithm (median of
+several runs, all ranks released together by a barrier) and prints a table with the algorithm
+bandwidth (bytes reduced / time) and the textbook bytes each rank sends. --plot saves a figure.
+
+    python benchmarks/allreduce_speed.py --world-sizes 2 4 --plot images/allreduce_cpu.png
+"""
+import argparse
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common.allreduce import ALGORITHMS, bytes_sent_per_rank
+from common.distributed import free_port
+
+SIZES = [2**10 * 4**k for k in range(9)]  # 1 KB .. 64 MB
+CONTENDERS = {"dist.all_reduce (gloo)": dist.all_reduce, **ALGORITHMS}
+
+
+def human(size: int) -> str:
+    return f"{size // 2**20} MB" if size >= 2**20 else f"{size // 2**10} KB"
+
+
+def time_one(function, tensor: torch.Tensor, repeats: int) -> float:
+    function(tensor)  # warm-up: buffers and connections
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        function(tensor)
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # an all-reduce ends when its slowest rank does
+    return slowest.item()
+
+
+def worker(rank: int, world_size: int, port: int, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=300))
+    for size in SIZES:
+        tensor = torch.ones(size // 4, dtype=torch.float32)
+        repeats = 20 if size <= 2**20 else 5
+        for name, function in CONTENDERS.items():
+            seconds = time_one(function, tensor, repeats)
+            if rank == 0:
+                queue.put((world_size, size, name, seconds))
+    dist.destroy_process_group()
+
+
+def measure(world_size: int) -> list[tuple]:
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    mp.start_processes(worker, args=(world_size, free_port(), queue), nprocs=world_size, start_method="spawn")
+    rows = []
+    while not queue.empty():
+        rows.append(queue.get())
+    return rows
+
+
+def table(rows: list[tuple]) -> str:
+    gloo = {(w, s): t for w, s, name, t in rows if name.startswith("dist.")}
+    lines = ["| ranks | size | algorithm | ms | algbw GB/s | model: MB sent by busiest rank | vs gloo |",
+             "|---:|---:|---|---:|---:|---:|---:|"]
+    for world_size, size, name, seconds in rows:
+        model = bytes_sent_per_rank(name, size, world_size) if name in ALGORITHMS else bytes_sent_per_rank("ring", size, world_size)
+        lines.append(f"| {world_size} | {human(size)} | {name} | {seconds * 1e3:.2f} | {size / seconds / 1e9:.2f} "
+                     f"| {model / 2**20:.2f} | {gloo[world_size, size] / seconds:.2f}x |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[tuple], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    world_sizes = sorted({r[0] for r in rows})
+    fig, axes = plt.subplots(1, len(world_sizes), figsize=(5 * len(world_sizes), 3.6), sharey=True, squeeze=False)
+    for ax, world_size in zip(axes[0], world_sizes):
+        for name in CONTENDERS:
+            points = [(s, s / t / 1e9) for w, s, n, t in rows if w == world_size and n == name]
+            ax.plot(*zip(*points), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(SIZES, [human(s) for s in SIZES], rotation=45)
+        ax.set_title(f"{world_size} processes")
+        ax.set_xlabel("tensor size")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("algorithm bandwidth, GB/s")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"saved {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--plot", help="also save a figure to this PNG")
+    parser.add_argument("--title", default="All-reduce over gloo", help="plot title, e.g. the machine's name")
+    args = parser.parse_args()
+    rows = [row for world_size in args.world_sizes for row in measure(world_size)]
+    print(table(rows))
+    if args.plot:
+        plot(rows, args.plot, args.title)
+
+
+if __name__ == "__main__":
+    main()

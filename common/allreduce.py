@@ -1,0 +1,105 @@
+"""All-reduce three ways, from point-to-point sends and receives alone.
+
+After an all-reduce every rank holds the element-wise sum (or mean) of all ranks' tensors. How the
+bytes travel decides the cost. With N ranks and S bytes per tensor, bytes sent by the busiest rank:
+  reduce + broadcast   (N-1)·S at the root: it receives every tensor, then sends the sum to everyone
+  all-to-all           (N-1)·S at every rank: each sends its whole tensor to each of the others
+  ring                 2(N-1)/N·S at every rank: nearly flat in N, which is why NCCL and gloo use it
+Each function works in place, like dist.all_reduce, for any tensor size, layout and world size,
+with op 'sum' or 'avg'.
+"""
+import functools
+
+import torch
+import torch.distributed as dist
+
+OPS = ("sum", "avg")
+
+
+def _in_place(summing):
+    """Give a summing algorithm dist.all_reduce's contract: in place, any layout, sum or average."""
+    @functools.wraps(summing)
+    def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if op not in OPS:  # checked before any message is sent, so no peer is left waiting
+            raise ValueError(f"op must be one of {OPS}, not {op!r}")
+        contiguous = tensor if tensor.is_contiguous() else tensor.contiguous()  # send/recv need contiguous memory
+        summing(contiguous)
+        if contiguous is not tensor:
+            tensor.copy_(contiguous)
+        if op == "avg":
+            tensor.div_(dist.get_world_size())
+        return tensor
+    return all_reduce
+
+
+def _wait(requests) -> None:
+    for request in requests:
+        request.wait()
+
+
+@_in_place
+def reduce_broadcast_all_reduce(tensor: torch.Tensor) -> None:
+    """Every rank sends its tensor to rank 0, which adds them up in rank order and sends the sum back."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        received = [torch.empty_like(tensor) for _ in range(world_size - 1)]
+        _wait([dist.irecv(buffer, src=src) for src, buffer in enumerate(received, start=1)])
+        for buffer in received:
+            tensor.add_(buffer)
+        _wait([dist.isend(tensor, dst=dst) for dst in range(1, world_size)])
+    else:
+        dist.send(tensor, dst=0)
+        dist.recv(tensor, src=0)
+
+
+@_in_place
+def all_to_all_all_reduce(tensor: torch.Tensor) -> None:
+    """Every rank sends its whole tensor to every other rank and adds up what it receives.
+
+    Each rank sums in rank order 0..N-1, so all ranks end with bit-identical results.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    pieces = [tensor if peer == rank else torch.empty_like(tensor) for peer in range(world_size)]
+    others = [peer for peer in range(world_size) if peer != rank]
+    _wait([dist.isend(tensor, dst=peer) for peer in others] + [dist.irecv(pieces[peer], src=peer) for peer in others])
+    total = pieces[0].clone()
+    for piece in pieces[1:]:
+        total.add_(piece)
+    tensor.copy_(total)
+
+
+@_in_place
+def ring_all_reduce(tensor: torch.Tensor) -> None:
+    """Reduce-scatter then all-gather around a ring, one chunk per step, each step send and receive at once.
+
+    The tensor is cut into N chunks (sizes differ by at most one element). In step s of the
+    reduce-scatter, rank r sends chunk (r - s) to its right neighbour and adds the chunk it receives
+    from its left one; after N-1 steps rank r holds the full sum of chunk (r + 1). The all-gather then
+    passes the finished chunks around the ring for N-1 more steps.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size == 1:
+        return
+    chunks = list(tensor.view(-1).tensor_split(world_size))
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    incoming = torch.empty_like(chunks[0])  # chunk 0 is the largest
+    for step in range(world_size - 1):
+        send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
+        buffer = incoming[: chunks[receive].numel()]
+        _wait([dist.isend(chunks[send], dst=right), dist.irecv(buffer, src=left)])
+        chunks[receive].add_(buffer)
+    for step in range(world_size - 1):
+        send, receive = (rank + 1 - step) % world_size, (rank - step) % world_size
+        _wait([dist.isend(chunks[send], dst=right), dist.irecv(chunks[receive], src=left)])
+
+
+def bytes_sent_per_rank(algorithm: str, size_bytes: int, world_size: int) -> float:
+    """The textbook cost model: bytes the busiest rank sends for one all-reduce of size_bytes."""
+    n = world_size
+    return {"reduce_broadcast": (n - 1) * size_bytes,
+            "all_to_all": (n - 1) * size_bytes,
+            "ring": 2 * (n - 1) / n * size_bytes}[algorithm]
+
+
+ALGORITHMS = {"reduce_broadcast": reduce_broadcast_all_reduce, "all_to_all": all_to_all_all_reduce,
+              "ring": ring_all_reduce}
