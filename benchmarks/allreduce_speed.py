@@ -9,14 +9,12 @@ bandwidth (bytes reduced / time) and the textbook bytes each rank sends. --plot 
 import argparse
 import statistics
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from common.allreduce import ALGORITHMS, bytes_sent_per_rank
-from common.distributed import free_port
+from common.spawn import run_in_process_group
 
 SIZES = [2**10 * 4**k for k in range(9)]  # 1 KB .. 64 MB
 CONTENDERS = {"dist.all_reduce (gloo)": dist.all_reduce, **ALGORITHMS}
@@ -39,27 +37,13 @@ def time_one(function, tensor: torch.Tensor, repeats: int) -> float:
     return slowest.item()
 
 
-def worker(rank: int, world_size: int, port: int, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=300))
+def worker(rank: int, world_size: int) -> list[tuple]:
+    rows = []
     for size in SIZES:
         tensor = torch.ones(size // 4, dtype=torch.float32)
         repeats = 20 if size <= 2**20 else 5
         for name, function in CONTENDERS.items():
-            seconds = time_one(function, tensor, repeats)
-            if rank == 0:
-                queue.put((world_size, size, name, seconds))
-    dist.destroy_process_group()
-
-
-def measure(world_size: int) -> list[tuple]:
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    mp.start_processes(worker, args=(world_size, free_port(), queue), nprocs=world_size, start_method="spawn")
-    rows = []
-    while not queue.empty():
-        rows.append(queue.get())
+            rows.append((world_size, size, name, time_one(function, tensor, repeats)))
     return rows
 
 
@@ -103,7 +87,7 @@ def main():
     parser.add_argument("--plot", help="also save a figure to this PNG")
     parser.add_argument("--title", default="All-reduce over gloo", help="plot title, e.g. the machine's name")
     args = parser.parse_args()
-    rows = [row for world_size in args.world_sizes for row in measure(world_size)]
+    rows = [row for world_size in args.world_sizes for row in run_in_process_group(worker, world_size, timeout=1800)]
     print(table(rows))
     if args.plot:
         plot(rows, args.plot, args.title)

@@ -7,7 +7,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import accumulation
 from common.mnist import BasicNet
-from process_groups import run_ranks
+from common.spawn import run_in_process_group
 
 STEPS, MICRO, WORLD = 4, 3, 2  # accumulation steps, samples per micro-batch per rank, processes
 VARIANTS = ["sync_every_micro_batch", "no_sync_around_backward_only", "no_sync_around_forward_and_backward",
@@ -51,7 +51,7 @@ def warmed_up_counter(model, rank):
     return counter
 
 
-def run_variant(rank, world_size, variant, out_dir):
+def run_variant(rank, world_size, variant):
     model, optimizer = model_and_optimizer()
     if variant == "accelerate_accumulate":
         from accelerate import Accelerator
@@ -67,19 +67,12 @@ def run_variant(rank, world_size, variant, out_dir):
             F.nll_loss(model(images), labels).backward()
         else:
             getattr(accumulation, variant)(model, optimizer, micro_batches_of(rank))
-    if rank == 0:
-        torch.save({"params": [p.detach() for p in model.parameters()], "all_reduces": counter["all_reduces"]},
-                   f"{out_dir}/result.pt")
+    return {"params": [p.detach() for p in model.parameters()], "all_reduces": counter["all_reduces"]}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = {}
-    for variant in ["one_backward", *VARIANTS]:
-        folder = tmp_path_factory.mktemp(variant)
-        run_ranks(run_variant, WORLD, variant, str(folder))
-        out[variant] = torch.load(folder / "result.pt")
-    return out
+def results():
+    return {variant: run_in_process_group(run_variant, WORLD, variant) for variant in ["one_backward", *VARIANTS]}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from common.allreduce import ALGORITHMS, bytes_sent_per_rank, ring_all_reduce
-from process_groups import run_ranks
+from common.spawn import run_in_process_group
 
 SIZES = [1, 2, 5, 7, 1000, 4099]  # several smaller than the world size, most not divisible by it
 DTYPES = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}
@@ -35,7 +35,7 @@ def check_all_algorithms(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_each_algorithm_equals_dist_all_reduce(world_size):
-    run_ranks(check_all_algorithms, world_size, timeout=180)
+    run_in_process_group(check_all_algorithms, world_size, timeout=180)
 
 
 def test_unknown_op_is_refused_before_anything_is_sent():

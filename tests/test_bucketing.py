@@ -6,7 +6,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.bucketing import BucketedDataParallel
 from common.mnist import BasicNet
-from process_groups import run_ranks
+from common.spawn import run_in_process_group
 
 
 def batch_for(rank):
@@ -41,7 +41,7 @@ def compare_with_ddp(rank, world_size, bucket_cap_mb):
 
 @pytest.mark.parametrize("bucket_cap_mb", [0.5, 25, None])
 def test_gradients_equal_ddp(bucket_cap_mb):
-    run_ranks(compare_with_ddp, 2, bucket_cap_mb)
+    run_in_process_group(compare_with_ddp, 2, bucket_cap_mb)
 
 
 def forgot_backward(rank, world_size):
@@ -51,4 +51,4 @@ def forgot_backward(rank, world_size):
 
 
 def test_waiting_without_backward_is_an_error():
-    run_ranks(forgot_backward, 2)
+    run_in_process_group(forgot_backward, 2)

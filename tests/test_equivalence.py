@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.cli import per_process_batch
 from common.mnist import BasicNet
-from process_groups import run_ranks
+from common.spawn import run_in_process_group
 
 GLOBAL_BATCH = 12
 
@@ -53,7 +53,7 @@ def ddp_worker(rank, world_size, out_dir):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ddp_step_equals_single_process_on_the_global_batch(tmp_path, world_size):
-    run_ranks(ddp_worker, world_size, str(tmp_path))
+    run_in_process_group(ddp_worker, world_size, str(tmp_path))
     reference_grads, reference_params = single_process_reference()
     for rank in range(world_size):
         result = torch.load(tmp_path / f"rank{rank}.pt")

@@ -5,7 +5,7 @@ import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
 from common.gather import drop_sampler_padding, gather_uneven, sum_across_ranks
-from process_groups import run_ranks
+from common.spawn import run_in_process_group
 
 
 def check_gathers(rank, world_size):
@@ -42,7 +42,7 @@ def check_gathers(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gathers_in_a_real_process_group(world_size):
-    run_ranks(check_gathers, world_size)
+    run_in_process_group(check_gathers, world_size)
 
 
 def test_without_a_process_group_gathers_are_identity():

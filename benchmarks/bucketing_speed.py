@@ -1,0 +1,87 @@
+"""Step time of a 2-process training step against the gradient bucket size, over gloo.
+
+Compares BucketedDataParallel (common/bucketing.py) at several bucket_cap_mb values, including one
+bucket all-reduced after backward (no overlap), with torch's DistributedDataParallel. The model is a
+stack of equal linear layers, so the gradients arrive in even steps through backward and overlap has
+something to hide. Each configuration runs in fresh processes; the table shows the median step.
+
+    python benchmarks/bucketing_speed.py --plot images/bucketing_cpu.png
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common.bucketing import BucketedDataParallel
+from common.spawn import run_in_process_group
+
+CONFIGS = [("ours, one bucket after backward", None), ("ours, 1 MB buckets", 1), ("ours, 4 MB buckets", 4),
+           ("ours, 16 MB buckets", 16), ("ours, 25 MB buckets", 25), ("torch DDP, bucket_cap_mb=25", "ddp")]
+
+
+def mlp(layers: int, width: int) -> nn.Sequential:
+    return nn.Sequential(*[module for _ in range(layers) for module in (nn.Linear(width, width), nn.ReLU())])
+
+
+def worker(rank, world_size, bucket_cap_mb, layers, width, batch, steps):
+    torch.manual_seed(0)
+    module = mlp(layers, width)
+    model = DDP(module) if bucket_cap_mb == "ddp" else BucketedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    inputs = torch.randn(batch, width)
+    times = []
+    for step in range(steps + 3):
+        dist.barrier()
+        start = time.perf_counter()
+        model(inputs).square().mean().backward()
+        if isinstance(model, BucketedDataParallel):
+            model.wait_for_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step >= 3:  # the first steps warm up buffers (and let DDP rebuild its buckets)
+            times.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1024, help="each layer is width x width (4 MB at 1024)")
+    parser.add_argument("--batch", type=int, default=64, help="samples per process per step")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--plot", help="also save a bar chart to this PNG")
+    parser.add_argument("--title", default="Step time vs bucket size", help="plot title, e.g. the machine's name")
+    args = parser.parse_args()
+    gradient_mb = args.layers * (args.width + 1) * args.width * 4 / 2**20
+    print(f"{args.layers} x Linear({args.width}, {args.width}): {gradient_mb:.0f} MB of gradients, "
+          f"{args.nproc} processes, batch {args.batch} each")
+    results = {name: run_in_process_group(worker, args.nproc, cap, args.layers, args.width, args.batch, args.steps)
+               for name, cap in CONFIGS}
+    no_overlap = results[CONFIGS[0][0]]
+    print("| configuration | ms per step | vs one bucket after backward |\n|---|---:|---:|")
+    for name, seconds in results.items():
+        print(f"| {name} | {seconds * 1e3:.1f} | {no_overlap / seconds:.2f}x |")
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 3))
+        bars = ax.barh(list(results), [s * 1e3 for s in results.values()], color="#1f77b4")
+        ax.bar_label(bars, [f"{s * 1e3:.0f} ms" for s in results.values()], padding=3)
+        ax.invert_yaxis()
+        ax.set_xlabel("milliseconds per training step (lower is better)")
+        ax.set_title(args.title)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"saved {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

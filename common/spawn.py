@@ -1,0 +1,49 @@
+"""Start N processes on this machine, joined into a gloo process group, with a hard time limit.
+
+For tests and benchmarks that need a real process group without a launcher. Each process gets the
+variables torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+OMP_NUM_THREADS=1), so code that reads them, such as Accelerate, sees an ordinary launch.
+"""
+import os
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common.distributed import free_port
+
+
+def _entry(rank, worker, world_size, port, result_path, args):
+    torch.set_num_threads(1)  # N processes share the machine's cores, as under torchrun
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    try:
+        result = worker(rank, world_size, *args)
+        if rank == 0:
+            torch.save(result, result_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_in_process_group(worker, world_size: int, *args, timeout: float = 300):
+    """Call worker(rank, world_size, *args) in world_size fresh processes; return rank 0's return value.
+
+    An exception in any rank is raised here with that rank's traceback; a run that outlasts timeout
+    seconds is killed and raises TimeoutError.
+    """
+    with tempfile.TemporaryDirectory() as folder:
+        result_path = Path(folder) / "rank0.pt"
+        context = mp.start_processes(_entry, args=(worker, world_size, free_port(), str(result_path), args),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"{worker.__name__} on {world_size} processes did not finish within {timeout:g} s")
+        return torch.load(result_path, weights_only=False)
