@@ -1,0 +1,13 @@
+# Sourced by the job scripts in slurm/ (submit them from the repository root): site set-up, the
+# Python to use, the first node of the allocation and a free port on it.
+if [ -z "${SLURM_JOB_ID:-}" ]; then
+    echo "error: run this inside a SLURM allocation: sbatch $0 ..., or bash $0 ... within salloc" >&2
+    exit 2
+fi
+if [ -f slurm/site_env.sh ]; then source slurm/site_env.sh; fi  # module load ..., conda activate ...
+PYTHON=${PYTHON:-python}
+# The first node hosts the rendezvous; its name must resolve on every node of the job.
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# The batch script runs on the first node, so a port free here is free where the rendezvous listens.
+MASTER_PORT=${MASTER_PORT:-$("$PYTHON" -c 'from common.distributed import free_port; print(free_port())')}
+export HEAD_NODE MASTER_PORT PYTHON

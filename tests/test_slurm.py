@@ -1,0 +1,83 @@
+"""The real slurm/ job scripts, submitted with sbatch --wait to a two-node SLURM cluster on localhost.
+
+tests/slurm/local_cluster.sh installs SLURM if missing and starts munge, slurmctld and two slurmd
+daemons (nodes n1 and n2). Where that is impossible (no root, no packages) the tests are skipped
+with the reason; any other failure to start fails them. All jobs are submitted at once and run side
+by side, each with a time limit.
+"""
+import getpass
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, TEST_IMAGES
+
+HARNESS = ROOT / "tests" / "slurm" / "local_cluster.sh"
+SKIP = 3  # the harness's exit code for "cannot start SLURM here"
+JOBS = {
+    "torchrun, 1 node x 2 processes": (["-N1", "--export=ALL,NPROC_PER_NODE=2"], "slurm/torchrun.sbatch",
+                                       "src/ch4/mnist_3_ddp.py", "2 processes"),
+    "torchrun, 2 nodes x 1 process": (["-N2", "--export=ALL,NPROC_PER_NODE=1"], "slurm/torchrun.sbatch",
+                                      "src/ch4/mnist_3_ddp.py", "2 processes"),
+    "torchrun, 2 nodes x 2 processes": (["-N2", "--export=ALL,NPROC_PER_NODE=2"], "slurm/torchrun.sbatch",
+                                        "src/ch4/mnist_3_ddp.py", "4 processes"),
+    "srun tasks, 2 nodes x 2 tasks": (["-N2", "--ntasks-per-node=2"], "slurm/srun_tasks.sbatch",
+                                      "src/ch4/mnist_3_ddp.py", "4 processes"),
+    "accelerate, 2 nodes x 1 process": (["-N2", "--export=ALL,NPROC_PER_NODE=1"], "slurm/accelerate.sbatch",
+                                        "src/ch4/mnist_4_accelerate.py", "2 processes"),
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("slurm")
+    started = subprocess.run(["bash", HARNESS, "start", folder], capture_output=True, text=True, timeout=300)
+    if started.returncode == SKIP:
+        pytest.skip(f"SLURM cannot be started here: {started.stderr.strip()}")
+    assert started.returncode == 0, f"SLURM did not start:\n{started.stdout}\n{started.stderr}"
+    env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf"), "PYTHON": sys.executable}
+    yield folder, env
+    subprocess.run(["bash", HARNESS, "stop", folder], timeout=60)
+
+
+@pytest.fixture(scope="module")
+def job_outputs(cluster, tiny_mnist):
+    """Submit every job at once with sbatch --wait; return each job's exit code and output."""
+    folder, env = cluster
+    running = {}
+    for name, (options, job_script, chapter_script, _) in JOBS.items():
+        output = folder / f"{len(running)}.out"
+        command = ["sbatch", "--wait", "--time=5", f"--output={output}", *options, job_script,
+                   chapter_script, "--data-dir", str(tiny_mnist), "--dist-timeout", "120"]
+        running[name] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True), output)
+    deadline = time.monotonic() + 420
+    results = {}
+    for name, (process, output) in running.items():
+        try:
+            process.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            subprocess.run(["scancel", "--user", getpass.getuser()], env=env)
+        text = output.read_text() if output.exists() else ""
+        results[name] = (process.returncode, process.stdout.read() + text)
+    return results
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_job_trains_and_evaluates_exactly(job_outputs, name):
+    returncode, output = job_outputs[name]
+    assert returncode == 0, f"{name}: sbatch exit {returncode}\n{output[-4000:]}"
+    assert f"over {TEST_IMAGES} images" in output, output[-4000:]
+    assert f"{JOBS[name][3]} on cpu" in output, output[-4000:]
+
+
+def test_job_script_outside_an_allocation_says_how_to_submit():
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+    result = subprocess.run(["bash", "slurm/torchrun.sbatch", "src/ch4/mnist_3_ddp.py"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "run this inside a SLURM allocation" in result.stderr
