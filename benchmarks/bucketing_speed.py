@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.bucketing import BucketedDataParallel
 from common.spawn import run_in_process_group
+from plotting import bar_chart
 
 CONFIGS = [("ours, one bucket after backward", None), ("ours, 1 MB buckets", 1), ("ours, 4 MB buckets", 4),
            ("ours, 16 MB buckets", 16), ("ours, 25 MB buckets", 25), ("torch DDP, bucket_cap_mb=25", "ddp")]
@@ -69,19 +70,9 @@ def main():
     for name, seconds in results.items():
         print(f"| {name} | {seconds * 1e3:.1f} | {no_overlap / seconds:.2f}x |")
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 3))
-        bars = ax.barh(list(results), [s * 1e3 for s in results.values()], color="#1f77b4")
-        ax.bar_label(bars, [f"{s * 1e3:.0f} ms" for s in results.values()], padding=3)
-        ax.invert_yaxis()
-        ax.set_xlabel("milliseconds per training step (lower is better)")
-        ax.set_title(args.title)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"saved {args.plot}")
-
+        bar_chart({name: seconds * 1e3 for name, seconds in results.items()},
+                  [f"{seconds * 1e3:.0f} ms" for seconds in results.values()],
+                  "milliseconds per training step (lower is better)", args.title, args.plot)
 
 if __name__ == "__main__":
     main()

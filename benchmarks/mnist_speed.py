@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from plotting import bar_chart
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -47,24 +49,6 @@ def table(results: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict[str, float]], path: str, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    names = list(results)
-    seconds = [results[n]["seconds"] for n in names]
-    fig, ax = plt.subplots(figsize=(8, 3))
-    bars = ax.barh(names, seconds, color=["#999999", "#1f77b4", "#2ca02c"][: len(names)])
-    ax.bar_label(bars, [f"{s:.0f} s, {results[n]['accuracy']:.2f}%" for s, n in zip(seconds, names)], padding=3)
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds for one training epoch (lower is better)")
-    ax.set_xlim(0, max(seconds) * 1.35)
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"saved {path}")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", required=True, help="folder holding MNIST/raw (e.g. ../shared/data)")
@@ -83,7 +67,9 @@ def main():
         print(f"  {results[label]}", flush=True)
     print(table(results))
     if args.plot:
-        plot(results, args.plot, args.title)
+        bar_chart({name: r["seconds"] for name, r in results.items()},
+                  [f"{r['seconds']:.0f} s, {r['accuracy']:.2f}%" for r in results.values()],
+                  "seconds for one training epoch (lower is better)", args.title, args.plot)
 
 
 if __name__ == "__main__":
