@@ -3,15 +3,22 @@ import argparse
 import sys
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, not {text}")
+    return value
+
+
 def mnist_parser(doc: str) -> argparse.ArgumentParser:
     """A parser whose help text is the script's docstring, so --help shows how to launch it."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default="data",
                         help="folder holding MNIST/raw/*-ubyte; downloaded there if missing (default: ./data)")
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=64,
+    parser.add_argument("--epochs", type=positive_int, default=1)
+    parser.add_argument("--batch-size", type=positive_int, default=64,
                         help="GLOBAL training batch, split evenly over the processes (default: 64)")
-    parser.add_argument("--eval-batch-size", type=int, default=1000,
+    parser.add_argument("--eval-batch-size", type=positive_int, default=1000,
                         help="PER-PROCESS evaluation batch; it does not change the result (default: 1000)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
     parser.add_argument("--seed", type=int, default=0)
@@ -28,7 +35,7 @@ def mnist_parser(doc: str) -> argparse.ArgumentParser:
 
 def per_process_batch(global_batch: int, world_size: int, flag: str = "--batch-size") -> int:
     """The batch each process loads, so that world_size of them add up to the global batch exactly."""
-    if global_batch <= 0 or global_batch % world_size:
+    if global_batch % world_size:
         sys.exit(f"error: {flag} {global_batch} is the global batch and must divide evenly over "
                  f"{world_size} processes; pick a multiple of {world_size}.")
     return global_batch // world_size

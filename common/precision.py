@@ -33,4 +33,7 @@ def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
 
 def accelerate_mixed_precision(requested: str) -> str | None:
     """--precision for Accelerator(mixed_precision=...): auto defers to `accelerate launch`'s config."""
-    return {"auto": None, "fp32": "no"}.get(requested, requested)
+    if requested == "auto":
+        return None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return {"fp32": "no"}.get(resolve_precision(requested, device), requested)

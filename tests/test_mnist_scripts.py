@@ -89,6 +89,13 @@ def test_unknown_flag(run_command, tiny_mnist):
     assert "unrecognized arguments: --bogus" in result.stderr
 
 
-def test_fp16_on_cpu(run_command, tiny_mnist):
-    result = run_command(PYTHON, CH4 / "mnist_1_single.py", "--data-dir", tiny_mnist, "--precision", "fp16")
+@pytest.mark.parametrize("script", ["mnist_1_single.py", "mnist_4_accelerate.py"])
+def test_fp16_on_cpu(run_command, tiny_mnist, script):
+    result = run_command(PYTHON, CH4 / script, "--data-dir", tiny_mnist, "--precision", "fp16")
     assert_clear_error(result, "fp16 needs a CUDA GPU")
+
+
+def test_batch_size_must_be_positive(run_command, tiny_mnist):
+    result = run_command(PYTHON, CH4 / "mnist_1_single.py", "--data-dir", tiny_mnist, "--batch-size", "0")
+    assert result.returncode == 2
+    assert "--batch-size: must be a positive whole number, not 0" in result.stderr

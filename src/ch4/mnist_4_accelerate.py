@@ -3,7 +3,7 @@
 accelerator.prepare() does what step 3 wrote by hand: it picks the device, wraps the model in DDP,
 shards the data loaders across processes and moves batches to the device. accelerator.backward()
 replaces loss.backward() (and applies loss scaling for fp16), mixed precision comes from the launch
-config, and gather_for_metrics() collects predictions from every rank and drops the samples that
+config (or --precision, which overrides it), and gather_for_metrics() collects predictions from every rank and drops the samples that
 were repeated to give all ranks equal batches, so the accuracy is over exactly the test set.
 The same file runs unchanged on one CPU, one GPU, several GPUs or several CPU processes.
 
