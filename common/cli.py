@@ -1,4 +1,4 @@
-"""The command-line flags every MNIST chapter script takes, with the reference hyper-parameters."""
+"""The command-line flags the chapter scripts share, and the global-to-per-process batch split."""
 import argparse
 import sys
 
@@ -10,26 +10,33 @@ def positive_int(text: str) -> int:
     return value
 
 
-def mnist_parser(doc: str) -> argparse.ArgumentParser:
-    """A parser whose help text is the script's docstring, so --help shows how to launch it."""
+def training_parser(doc: str, batch_size: int, eval_batch_size: int, lr: float) -> argparse.ArgumentParser:
+    """The flags every chapter script shares; its help text is the script's docstring, so --help shows
+    how to launch it. Defaults that differ between chapters (batch sizes, learning rate) are arguments."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", default="data",
-                        help="folder holding MNIST/raw/*-ubyte; downloaded there if missing (default: ./data)")
     parser.add_argument("--epochs", type=positive_int, default=1)
-    parser.add_argument("--batch-size", type=positive_int, default=64,
-                        help="GLOBAL training batch, split evenly over the processes (default: 64)")
-    parser.add_argument("--eval-batch-size", type=positive_int, default=1000,
-                        help="PER-PROCESS evaluation batch; it does not change the result (default: 1000)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
+    parser.add_argument("--batch-size", type=positive_int, default=batch_size,
+                        help=f"GLOBAL training batch, split evenly over the processes (default: {batch_size})")
+    parser.add_argument("--eval-batch-size", type=positive_int, default=eval_batch_size,
+                        help=f"PER-PROCESS evaluation batch; it does not change the result (default: {eval_batch_size})")
+    parser.add_argument("--lr", type=float, default=lr, help=f"learning rate (default: {lr:g})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                         help="autocast dtype; auto = bf16 where the hardware has it natively, else fp32")
+    parser.add_argument("--dist-timeout", type=float, default=300,
+                        help="seconds a process waits for its peers before giving up (default: 300)")
+    return parser
+
+
+def mnist_parser(doc: str) -> argparse.ArgumentParser:
+    """The MNIST chapter's flags, with the reference hyper-parameters (AdamW 1e-3, global batch 64)."""
+    parser = training_parser(doc, batch_size=64, eval_batch_size=1000, lr=1e-3)
+    parser.add_argument("--data-dir", default="data",
+                        help="folder holding MNIST/raw/*-ubyte; downloaded there if missing (default: ./data)")
     parser.add_argument("--loader", choices=["tensor", "classic"], default="tensor",
                         help="tensor: whole batches indexed from memory (fast); "
                              "classic: PIL + transforms per sample (the textbook path)")
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (classic loader)")
-    parser.add_argument("--dist-timeout", type=float, default=300,
-                        help="seconds a process waits for its peers before giving up (default: 300)")
     return parser
 
 

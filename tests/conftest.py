@@ -24,7 +24,7 @@ def run_command():
                # any download attempt fails at once instead of reaching (or waiting on) the network
                "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
                "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
-               "HF_HUB_OFFLINE": "1"}
+               "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         try:
             return subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True,
                                   timeout=timeout)
@@ -36,3 +36,18 @@ def run_command():
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone"]
 ACCELERATE = [PYTHON, "-m", "accelerate.commands.launch"]
+
+
+EVAL_PAIRS = 13  # 10% of 130 pairs: divides by neither 2 nor 3 processes
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory) -> Path:
+    from nli_files import write_tiny_bert
+    return write_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
+
+
+@pytest.fixture(scope="session")
+def nli_pairs(tmp_path_factory) -> Path:
+    from nli_files import write_nli_pairs
+    return write_nli_pairs(tmp_path_factory.mktemp("nli") / "pairs.jsonl", count=130)

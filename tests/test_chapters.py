@@ -9,6 +9,10 @@ import pytest
 from conftest import ROOT
 
 MNIST_LADDER = ["mnist_1_single.py", "mnist_2_data_parallel.py", "mnist_3_ddp.py", "mnist_4_accelerate.py"]
+STEPS = [*zip(MNIST_LADDER, MNIST_LADDER[1:]),  # each script is one step from the one before it
+         ("data_parallel.py", "nli_loss_in_forward.py"), ("data_parallel.py", "ddp.py"),
+         ("ddp.py", "nli_accelerate.py"), ("nli_dp_minimal.py", "nli_ddp_minimal.py")]
+BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py"]
 MARK = "# STEP"
 
 
@@ -36,7 +40,7 @@ def changes(before, after):
     return added, kept
 
 
-@pytest.mark.parametrize("before, after", list(zip(MNIST_LADDER, MNIST_LADDER[1:])))
+@pytest.mark.parametrize("before, after", STEPS)
 def test_neighbours_differ_only_in_marked_lines(before, after):
     added, kept = changes(code_lines(before), code_lines(after))
     unmarked = [line for line in added if line.strip() and MARK not in line]
@@ -46,8 +50,14 @@ def test_neighbours_differ_only_in_marked_lines(before, after):
     assert added, f"{after} changes nothing in {before}"
 
 
-def test_the_base_script_marks_nothing():
-    assert not [line for line in code_lines(MNIST_LADDER[0]) if MARK in line]
+@pytest.mark.parametrize("base", BASES)
+def test_base_scripts_mark_nothing(base):
+    assert not [line for line in code_lines(base) if MARK in line]
+
+
+def test_every_chapter_script_is_checked():
+    checked = {name for pair in STEPS for name in pair} | set(BASES)
+    assert checked == {path.name for path in (ROOT / "src" / "ch4").glob("*.py")}
 
 
 def test_the_check_above_catches_an_unmarked_change():

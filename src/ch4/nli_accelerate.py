@@ -1,0 +1,113 @@
+"""MultiNLI with BERT, the DDP fine-tuning of ddp.py with HuggingFace Accelerate doing the plumbing.
+
+accelerator.prepare() picks the device, wraps the model in DDP, shards the data loaders and moves
+batches to the device; accelerator.backward() replaces loss.backward() (with loss scaling for fp16);
+mixed precision comes from the launch config (or --precision, which overrides it); and
+gather_for_metrics() collects predictions from every rank and drops the pairs repeated to give all
+ranks equal batches, so the accuracy is over exactly the evaluation set. The training runs in
+training_function(args), which Accelerate's notebook_launcher can start from a notebook:
+    from accelerate import notebook_launcher
+    from common.nli import nli_parser
+    notebook_launcher(training_function, (nli_parser("").parse_args([...]),), num_processes=2)
+
+Run from the repository root (the defaults download bert-base-cased and MultiNLI from the hub):
+    accelerate launch --config_file src/ch4/accelerate_configs/multi_gpu_fp16.yaml src/ch4/nli_accelerate.py
+    accelerate launch --config_file src/ch4/accelerate_configs/cpu_2_processes.yaml src/ch4/nli_accelerate.py \
+        --model path/to/bert --dataset pairs.jsonl
+The CPU trap of mnist_4_accelerate.py applies: --cpu --num_processes 2 starts ONE process.
+
+Lines marked `# STEP` are what this step changes in ddp.py.
+"""
+import time
+
+import torch
+import torch.nn as nn
+from accelerate import Accelerator  # STEP
+from torch.utils.data import RandomSampler, SequentialSampler  # STEP
+from tqdm.auto import tqdm
+from transformers import get_linear_schedule_with_warmup
+
+from common.cli import per_process_batch
+from common.distributed import print0  # STEP
+from common.gather import sum_across_ranks
+from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
+from common.precision import accelerate_mixed_precision  # STEP
+
+
+def train_epoch(model, loader, optimizer, scheduler, accelerator, device, steps_left, progress):  # STEP
+    """One pass over this process's share of the pairs, or fewer if steps_left runs out first."""
+    model.train()
+    loss_sum = torch.zeros((), device=device)
+    steps = 0
+    for batch in loader:
+        if steps == steps_left:
+            break
+        batch = to_device(batch, device)
+        labels = batch.pop("labels")
+        loss = nn.functional.cross_entropy(model(**batch).logits, labels)  # STEP: prepare() put autocast in forward
+        optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(loss)  # STEP: scales the loss for fp16, then runs backward
+        optimizer.step()  # STEP
+        scheduler.step()
+        loss_sum += loss.detach()
+        steps += 1
+        progress.update()
+    return loss_sum.item() / max(steps, 1), steps
+
+
+@torch.no_grad()
+def evaluate(model, loader, accelerator, device):  # STEP
+    """Count correct predictions and pairs seen, so that the caller knows what the accuracy is over."""
+    model.eval()
+    correct = seen = 0
+    for batch in loader:
+        batch = to_device(batch, device)
+        labels = batch.pop("labels")
+        predictions = model(**batch).logits.argmax(dim=-1)  # STEP
+        predictions, labels = accelerator.gather_for_metrics((predictions, labels))  # STEP: all ranks, repeats dropped
+        correct += (predictions == labels).sum().item()
+        seen += labels.numel()
+    return correct, seen
+
+
+def training_function(args):  # STEP: what notebook_launcher runs in each process
+    # STEP: cpu=True without GPUs, or N launched processes would each train alone instead of forming a gloo group
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=accelerate_mixed_precision(args.precision))  # STEP
+    device = accelerator.device  # STEP
+    torch.manual_seed(args.seed + accelerator.process_index)  # STEP: own dropout masks; prepare() syncs the weights
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples, args.max_eval_samples)
+    train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length) for pairs in (train_pairs, eval_pairs))
+    batch_size = per_process_batch(args.batch_size, accelerator.num_processes)  # STEP
+    train_sampler = RandomSampler(train_set)  # STEP: prepare() deals the batches out to the ranks
+    train_loader = make_loader(train_set, tokenizer, batch_size, train_sampler)
+    eval_loader = make_loader(eval_set, tokenizer, args.eval_batch_size, SequentialSampler(eval_set))  # STEP
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)  # STEP: before len(train_loader), which it shards
+    total_steps = min(args.max_steps or float("inf"), args.epochs * len(train_loader))
+    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)
+
+    print0(f"{accelerator.num_processes} processes on {device.type}, {accelerator.mixed_precision}, global batch {args.batch_size} = {accelerator.num_processes} x {batch_size}")  # STEP
+    progress = tqdm(total=total_steps, desc="training", disable=not accelerator.is_main_process)  # STEP
+    steps_done, train_seconds = 0, 0.0
+    for epoch in range(args.epochs):
+        start = time.perf_counter()
+        loss, steps = train_epoch(model, train_loader, optimizer, scheduler, accelerator, device,  # STEP
+                                  total_steps - steps_done, progress)
+        train_seconds += time.perf_counter() - start
+        steps_done += steps
+        loss = sum_across_ranks(loss, device=device)[0] / accelerator.num_processes  # STEP
+        print0(f"epoch {epoch}: mean training loss {loss:.4f}")
+    progress.close()
+
+    correct, seen = evaluate(model, eval_loader, accelerator, device)  # STEP
+    print0(f"train time {train_seconds:.1f} s, {steps_done / train_seconds:.2f} steps/s, "
+           f"{steps_done * args.batch_size / train_seconds:.1f} samples/s")
+    print0(f"eval accuracy {correct / seen:.2%} over {seen} pairs")
+    accelerator.end_training()  # STEP
+
+
+if __name__ == "__main__":
+    training_function(nli_parser(__doc__).parse_args())  # STEP

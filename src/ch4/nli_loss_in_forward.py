@@ -1,0 +1,111 @@
+"""MultiNLI with BERT, DataParallel with the loss computed inside each replica's forward pass.
+
+The same fine-tuning as data_parallel.py. There, each replica returns its logits, DataParallel
+gathers them on GPU 0 and the loss is computed there. Here the model and the criterion are wrapped
+together (common/loss_in_forward.py), so each replica returns its own loss and only those scalars
+are gathered; the training loop averages them. Evaluation still gets the model's logits: without
+labels the wrapper returns the model's output unchanged.
+
+What it saves: the gathered outputs on the output device. For this 3-label classifier that is only
+batch x 3 numbers, so the saving is negligible; it matters for heads with large outputs, such as a
+language model's batch x sequence x vocabulary logits. The HuggingFace route needs no wrapper:
+model(**batch, labels=labels).loss.mean() (see common/loss_in_forward.py).
+
+Run from the repository root (the defaults download bert-base-cased and MultiNLI from the hub):
+    python src/ch4/nli_loss_in_forward.py
+    python src/ch4/nli_loss_in_forward.py --model path/to/bert --dataset pairs.jsonl
+
+Lines marked `# STEP` are what this step changes in data_parallel.py.
+"""
+import time
+
+import torch
+import torch.nn as nn
+from torch.utils.data import RandomSampler, SequentialSampler
+from tqdm.auto import tqdm
+from transformers import get_linear_schedule_with_warmup
+
+from common.distributed import device_for, print0
+from common.loss_in_forward import LossInForward  # STEP
+from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
+from common.precision import autocast, grad_scaler, resolve_precision
+
+
+def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, steps_left, progress):
+    """One pass over this process's share of the pairs, or fewer if steps_left runs out first."""
+    model.train()
+    loss_sum = torch.zeros((), device=device)
+    steps = 0
+    for batch in loader:
+        if steps == steps_left:
+            break
+        batch = to_device(batch, device)
+        labels = batch.pop("labels")
+        with autocast(device, precision):
+            loss = model(**batch, labels=labels).mean()  # STEP: one loss per replica, averaged here
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        loss_sum += loss.detach()
+        steps += 1
+        progress.update()
+    return loss_sum.item() / max(steps, 1), steps
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, precision):
+    """Count correct predictions and pairs seen, so that the caller knows what the accuracy is over."""
+    model.eval()
+    correct = seen = 0
+    for batch in loader:
+        batch = to_device(batch, device)
+        labels = batch.pop("labels")
+        with autocast(device, precision):
+            predictions = model(**batch).logits.argmax(dim=-1)
+        correct += (predictions == labels).sum().item()
+        seen += labels.numel()
+    return correct, seen
+
+
+def main(args):
+    device = device_for(local_rank=0)
+    precision = resolve_precision(args.precision, device)
+    torch.manual_seed(args.seed)
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples, args.max_eval_samples)
+    train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length) for pairs in (train_pairs, eval_pairs))
+    batch_size = args.batch_size
+    train_sampler = RandomSampler(train_set)
+    train_loader = make_loader(train_set, tokenizer, batch_size, train_sampler)
+    eval_loader = make_loader(eval_set, tokenizer, args.eval_batch_size, SequentialSampler(eval_set))
+
+    model = model.to(device)
+    model = nn.DataParallel(LossInForward(model, nn.CrossEntropyLoss()))  # STEP: replicas return losses, not logits
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    total_steps = min(args.max_steps or float("inf"), args.epochs * len(train_loader))
+    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)
+    scaler = grad_scaler(device, precision)
+
+    print0(f"one process, DataParallel over {torch.cuda.device_count()} GPU(s), {precision}, global batch {args.batch_size}")
+    progress = tqdm(total=total_steps, desc="training")
+    steps_done, train_seconds = 0, 0.0
+    for epoch in range(args.epochs):
+        start = time.perf_counter()
+        loss, steps = train_epoch(model, train_loader, optimizer, scheduler, scaler, device, precision,
+                                  total_steps - steps_done, progress)
+        train_seconds += time.perf_counter() - start
+        steps_done += steps
+        print0(f"epoch {epoch}: mean training loss {loss:.4f}")
+    progress.close()
+
+    correct, seen = evaluate(model, eval_loader, device, precision)
+    print0(f"train time {train_seconds:.1f} s, {steps_done / train_seconds:.2f} steps/s, "
+           f"{steps_done * args.batch_size / train_seconds:.1f} samples/s")
+    print0(f"eval accuracy {correct / seen:.2%} over {seen} pairs")
+
+
+if __name__ == "__main__":
+    main(nli_parser(__doc__).parse_args())

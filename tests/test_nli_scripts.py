@@ -1,0 +1,120 @@
+"""The BERT chapter's scripts, run as users run them, offline, on a tiny random BERT and 130 NLI pairs.
+
+The 90/10 split holds out 13 pairs, which divide by neither 2 nor 3 processes: every run must
+report an accuracy over exactly 13 pairs.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+from common.loss_in_forward import LossInForward
+from conftest import ACCELERATE, EVAL_PAIRS, PYTHON, ROOT, TORCHRUN
+
+CH4 = ROOT / "src" / "ch4"
+CPU_CONFIG = CH4 / "accelerate_configs" / "cpu_2_processes.yaml"
+EXACT = f"over {EVAL_PAIRS} pairs"
+
+
+def data_flags(tiny_bert, nli_pairs):
+    return ["--model", tiny_bert, "--dataset", nli_pairs, "--max-steps", "4", "--dist-timeout", "120"]
+
+
+def assert_ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
+    assert EXACT in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("script", ["data_parallel.py", "nli_loss_in_forward.py", "nli_dp_minimal.py"])
+def test_one_process_with_python(run_command, tiny_bert, nli_pairs, script):
+    assert_ok(run_command(PYTHON, CH4 / script, *data_flags(tiny_bert, nli_pairs)))
+
+
+def test_minimal_prints_the_loss_every_10_steps(run_command, tiny_bert, nli_pairs):
+    result = run_command(PYTHON, CH4 / "nli_dp_minimal.py", "--model", tiny_bert, "--dataset", nli_pairs,
+                         "--max-steps", "20", "--batch-size", "8")
+    assert_ok(result)
+    assert "step 10: loss" in result.stdout and "step 20: loss" in result.stdout and "step 30" not in result.stdout
+
+
+@pytest.mark.parametrize("script, nproc, batch", [("ddp.py", 2, 32), ("ddp.py", 3, 30), ("nli_ddp_minimal.py", 2, 32)])
+def test_ddp_with_torchrun(run_command, tiny_bert, nli_pairs, script, nproc, batch):
+    result = run_command(*TORCHRUN, f"--nproc_per_node={nproc}", CH4 / script, *data_flags(tiny_bert, nli_pairs),
+                         "--batch-size", batch)
+    assert_ok(result)
+    assert f"global batch {batch} = {nproc} x {batch // nproc}" in result.stdout
+    assert result.stdout.count("eval accuracy") == 1
+
+
+def test_accelerate_with_two_cpu_processes(run_command, tiny_bert, nli_pairs):
+    result = run_command(*ACCELERATE, "--config_file", CPU_CONFIG, CH4 / "nli_accelerate.py",
+                         *data_flags(tiny_bert, nli_pairs))
+    assert_ok(result)
+    assert "2 processes on cpu" in result.stdout
+
+
+def test_validation_matched_from_a_saved_dataset(run_command, tiny_bert, nli_pairs, tmp_path):
+    from datasets import DatasetDict, load_dataset
+    pairs = load_dataset("json", data_files=str(nli_pairs))["train"]
+    DatasetDict(train=pairs.select(range(100)), validation_matched=pairs.select(range(100, 111))).save_to_disk(tmp_path / "mnli")
+    result = run_command(PYTHON, CH4 / "data_parallel.py", "--model", tiny_bert, "--dataset", tmp_path / "mnli",
+                         "--eval-split", "validation_matched", "--max-steps", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "over 11 pairs" in result.stdout
+
+
+# ---- offline without local copies: one sentence saying what to pass ----
+
+def assert_clear_error(result, *phrases):
+    assert result.returncode != 0
+    for phrase in phrases:
+        assert phrase in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+def test_default_model_offline(run_command, nli_pairs):
+    result = run_command(PYTHON, CH4 / "data_parallel.py", "--dataset", nli_pairs)
+    assert_clear_error(result, "could not load the model 'bert-base-cased'", "pass --model with a local folder")
+
+
+def test_default_dataset_offline(run_command, tiny_bert):
+    result = run_command(PYTHON, CH4 / "data_parallel.py", "--model", tiny_bert)
+    assert_clear_error(result, "could not load the dataset 'nyu-mll/multi_nli'", "pass --dataset with a local")
+
+
+def test_missing_local_file(run_command, tiny_bert, tmp_path):
+    result = run_command(PYTHON, CH4 / "data_parallel.py", "--model", tiny_bert, "--dataset", tmp_path / "none.jsonl")
+    assert_clear_error(result, "could not load the dataset")
+
+
+# ---- the loss-in-forward helper ----
+
+def test_loss_in_forward_equals_loss_outside():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    inputs, labels = torch.randn(10, 8), torch.randint(0, 3, (10,))
+    outside = nn.functional.cross_entropy(model(inputs), labels)
+    outside.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    wrapped = LossInForward(model, nn.CrossEntropyLoss())
+    replicas = [wrapped(chunk, labels=chunk_labels) for chunk, chunk_labels in zip(inputs.split(5), labels.split(5))]
+    assert all(loss.shape == (1,) for loss in replicas)  # what DataParallel gathers: one number per replica
+    inside = torch.cat(replicas).mean()  # equal chunks: the mean of means is the batch mean
+    inside.backward()
+    torch.testing.assert_close(inside, outside)
+    for got, want in zip([p.grad for p in model.parameters()], expected):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(wrapped(inputs), model(inputs))  # without labels: the model's output
+
+
+def test_loss_in_forward_under_data_parallel(tiny_bert):
+    """The same through nn.DataParallel and a real BERT output, as nli_loss_in_forward.py uses it."""
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_bert).eval()
+    ids = torch.randint(5, 20, (4, 7))
+    labels = torch.tensor([0, 1, 2, 1])
+    outside = nn.functional.cross_entropy(model(input_ids=ids).logits, labels)
+    inside = nn.DataParallel(LossInForward(model, nn.CrossEntropyLoss()))(input_ids=ids, labels=labels).mean()
+    torch.testing.assert_close(inside, outside)
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, outside)  # the HuggingFace route
