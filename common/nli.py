@@ -97,7 +97,7 @@ def tokenize_pairs(dataset, tokenizer, max_length: int):
     def encode(rows):
         return tokenizer(rows["premise"], rows["hypothesis"], truncation=True, max_length=max_length)
     encoded = dataset.map(encode, batched=True, remove_columns=["premise", "hypothesis"])
-    return encoded.rename_column("label", "labels").with_format("torch")
+    return encoded.rename_column("label", "labels")  # lists of ids: the collator pads them into tensors
 
 
 def make_loader(dataset, tokenizer, batch_size: int, sampler) -> DataLoader:

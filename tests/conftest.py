@@ -38,6 +38,14 @@ TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone"]
 ACCELERATE = [PYTHON, "-m", "accelerate.commands.launch"]
 
 
+def assert_clear_error(result, *phrases):
+    """Bad input ends with a non-zero exit and one sentence on stderr, never a traceback."""
+    assert result.returncode != 0
+    for phrase in phrases:
+        assert phrase in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
 EVAL_PAIRS = 13  # 10% of 130 pairs: divides by neither 2 nor 3 processes
 
 

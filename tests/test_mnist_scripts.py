@@ -5,7 +5,7 @@ an accuracy over exactly 101 images.
 """
 import pytest
 
-from conftest import ACCELERATE, PYTHON, ROOT, TEST_IMAGES, TORCHRUN
+from conftest import ACCELERATE, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_clear_error
 
 CH4 = ROOT / "src" / "ch4"
 CPU_CONFIG = CH4 / "accelerate_configs" / "cpu_2_processes.yaml"
@@ -58,13 +58,6 @@ def test_accelerate_three_processes_without_a_config(run_command, tiny_mnist):
 
 
 # ---- bad input: one clear sentence and a non-zero exit, never a deep traceback ----
-
-def assert_clear_error(result, *phrases):
-    assert result.returncode != 0
-    for phrase in phrases:
-        assert phrase in result.stderr, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-
 
 def test_global_batch_that_does_not_divide(run_command, tiny_mnist):
     result = run_command(*TORCHRUN, "--nproc_per_node=3", CH4 / "mnist_3_ddp.py", "--data-dir", tiny_mnist,

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from common.loss_in_forward import LossInForward
-from conftest import ACCELERATE, EVAL_PAIRS, PYTHON, ROOT, TORCHRUN
+from conftest import ACCELERATE, EVAL_PAIRS, PYTHON, ROOT, TORCHRUN, assert_clear_error
 
 CH4 = ROOT / "src" / "ch4"
 CPU_CONFIG = CH4 / "accelerate_configs" / "cpu_2_processes.yaml"
@@ -63,13 +63,6 @@ def test_validation_matched_from_a_saved_dataset(run_command, tiny_bert, nli_pai
 
 
 # ---- offline without local copies: one sentence saying what to pass ----
-
-def assert_clear_error(result, *phrases):
-    assert result.returncode != 0
-    for phrase in phrases:
-        assert phrase in result.stderr, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-
 
 def test_default_model_offline(run_command, nli_pairs):
     result = run_command(PYTHON, CH4 / "data_parallel.py", "--dataset", nli_pairs)
