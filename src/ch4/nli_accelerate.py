@@ -74,6 +74,8 @@ def training_function(args):  # STEP: what notebook_launcher runs in each proces
     # STEP: cpu=True without GPUs, or N launched processes would each train alone instead of forming a gloo group
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=accelerate_mixed_precision(args.precision))  # STEP
     device = accelerator.device  # STEP
+    if device.type == "cpu" and accelerator.num_processes > 1:  # STEP: as torchrun's OMP_NUM_THREADS=1, and a must when
+        torch.set_num_threads(1)  # STEP: notebook_launcher forks a kernel whose OpenMP threads the child lacks (it would hang)
     torch.manual_seed(args.seed + accelerator.process_index)  # STEP: own dropout masks; prepare() syncs the weights
 
     model, tokenizer = load_model_and_tokenizer(args.model)
