@@ -2,8 +2,8 @@
 
 tests/slurm/local_cluster.sh installs SLURM if missing and starts munge, slurmctld and two slurmd
 daemons (nodes n1 and n2). Where that is impossible (no root, no packages) the tests are skipped
-with the reason; any other failure to start fails them. All jobs are submitted at once and run side
-by side, each with a time limit.
+with the reason; any other failure to start fails them. All jobs (and one salloc session, the
+interactive recipe) start at once and run side by side, each with a time limit.
 """
 import getpass
 import os
@@ -17,17 +17,19 @@ from conftest import ROOT, TEST_IMAGES
 
 HARNESS = ROOT / "tests" / "slurm" / "local_cluster.sh"
 SKIP = 3  # the harness's exit code for "cannot start SLURM here"
-JOBS = {
-    "torchrun, 1 node x 2 processes": (["-N1", "--export=ALL,NPROC_PER_NODE=2"], "slurm/torchrun.sbatch",
+JOBS = {  # name: launcher, its options, job script, chapter script, what the header line says
+    "torchrun, 1 node x 2 processes": ("sbatch", ["-N1", "--export=ALL,NPROC_PER_NODE=2"], "slurm/torchrun.sbatch",
                                        "src/ch4/mnist_3_ddp.py", "2 processes"),
-    "torchrun, 2 nodes x 1 process": (["-N2", "--export=ALL,NPROC_PER_NODE=1"], "slurm/torchrun.sbatch",
+    "torchrun, 2 nodes x 1 process": ("sbatch", ["-N2", "--export=ALL,NPROC_PER_NODE=1"], "slurm/torchrun.sbatch",
                                       "src/ch4/mnist_3_ddp.py", "2 processes"),
-    "torchrun, 2 nodes x 2 processes": (["-N2", "--export=ALL,NPROC_PER_NODE=2"], "slurm/torchrun.sbatch",
+    "torchrun, 2 nodes x 2 processes": ("sbatch", ["-N2", "--export=ALL,NPROC_PER_NODE=2"], "slurm/torchrun.sbatch",
                                         "src/ch4/mnist_3_ddp.py", "4 processes"),
-    "srun tasks, 2 nodes x 2 tasks": (["-N2", "--ntasks-per-node=2"], "slurm/srun_tasks.sbatch",
+    "srun tasks, 2 nodes x 2 tasks": ("sbatch", ["-N2", "--ntasks-per-node=2"], "slurm/srun_tasks.sbatch",
                                       "src/ch4/mnist_3_ddp.py", "4 processes"),
-    "accelerate, 2 nodes x 1 process": (["-N2", "--export=ALL,NPROC_PER_NODE=1"], "slurm/accelerate.sbatch",
+    "accelerate, 2 nodes x 1 process": ("sbatch", ["-N2", "--export=ALL,NPROC_PER_NODE=1"], "slurm/accelerate.sbatch",
                                         "src/ch4/mnist_4_accelerate.py", "2 processes"),
+    "salloc, 2 nodes x 1 process": ("salloc", ["-N2", "--ntasks-per-node=1"], "slurm/torchrun.sbatch",
+                                    "src/ch4/mnist_3_ddp.py", "2 processes"),
 }
 
 
@@ -45,13 +47,17 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def job_outputs(cluster, tiny_mnist):
-    """Submit every job at once with sbatch --wait; return each job's exit code and output."""
+    """Start every job at once (sbatch --wait, or salloc running the job script as a user would in its
+    shell); return each job's exit code and output."""
     folder, env = cluster
     running = {}
-    for name, (options, job_script, chapter_script, _) in JOBS.items():
+    for name, (launcher, options, job_script, chapter_script, _) in JOBS.items():
         output = folder / f"{len(running)}.out"
-        command = ["sbatch", "--wait", "--time=5", f"--output={output}", *options, job_script,
-                   chapter_script, "--data-dir", str(tiny_mnist), "--dist-timeout", "120"]
+        if launcher == "sbatch":
+            command = ["sbatch", "--wait", "--time=5", f"--output={output}", *options, job_script]
+        else:  # in the shell that salloc opens, a user runs the job script with bash
+            command = ["salloc", "--time=5", *options, "bash", job_script]
+        command += [chapter_script, "--data-dir", str(tiny_mnist), "--dist-timeout", "120"]
         running[name] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True), output)
     deadline = time.monotonic() + 420
@@ -72,7 +78,7 @@ def test_job_trains_and_evaluates_exactly(job_outputs, name):
     returncode, output = job_outputs[name]
     assert returncode == 0, f"{name}: sbatch exit {returncode}\n{output[-4000:]}"
     assert f"over {TEST_IMAGES} images" in output, output[-4000:]
-    assert f"{JOBS[name][3]} on cpu" in output, output[-4000:]
+    assert f"{JOBS[name][4]} on cpu" in output, output[-4000:]
 
 
 def test_job_script_outside_an_allocation_says_how_to_submit():
