@@ -37,9 +37,9 @@ def time_one(function, tensor: torch.Tensor, repeats: int) -> float:
     return slowest.item()
 
 
-def worker(rank: int, world_size: int) -> list[tuple]:
+def worker(rank: int, world_size: int, sizes: list[int]) -> list[tuple]:
     rows = []
-    for size in SIZES:
+    for size in sizes:
         tensor = torch.ones(size // 4, dtype=torch.float32)
         repeats = 20 if size <= 2**20 else 5
         for name, function in CONTENDERS.items():
@@ -69,7 +69,8 @@ def plot(rows: list[tuple], path: str, title: str) -> None:
             points = [(s, s / t / 1e9) for w, s, n, t in rows if w == world_size and n == name]
             ax.plot(*zip(*points), marker="o", label=name)
         ax.set_xscale("log", base=2)
-        ax.set_xticks(SIZES, [human(s) for s in SIZES], rotation=45)
+        sizes = sorted({r[1] for r in rows})
+        ax.set_xticks(sizes, [human(s) for s in sizes], rotation=45)
         ax.set_title(f"{world_size} processes")
         ax.set_xlabel("tensor size")
         ax.grid(alpha=0.3)
@@ -84,10 +85,13 @@ def plot(rows: list[tuple], path: str, title: str) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--max-mb", type=float, default=64, help="largest tensor, in MB (default: 64)")
     parser.add_argument("--plot", help="also save a figure to this PNG")
     parser.add_argument("--title", default="All-reduce over gloo", help="plot title, e.g. the machine's name")
     args = parser.parse_args()
-    rows = [row for world_size in args.world_sizes for row in run_in_process_group(worker, world_size, timeout=1800)]
+    sizes = [size for size in SIZES if size <= args.max_mb * 2**20]
+    rows = [row for world_size in args.world_sizes
+            for row in run_in_process_group(worker, world_size, sizes, timeout=1800)]
     print(table(rows))
     if args.plot:
         plot(rows, args.plot, args.title)

@@ -1,0 +1,61 @@
+"""Every benchmark script runs as the README says, at toy sizes, and prints its table and plot.
+
+The benchmarks read the chapter scripts' output (train time, accuracy lines): a change there that
+breaks them fails here, not in a user's `make demo`. The figures themselves are not checked.
+"""
+from conftest import PYTHON
+
+
+def assert_table_and_plot(result, plot, *rows):
+    assert result.returncode == 0, result.stderr[-3000:]
+    for row in rows:
+        assert f"| {row} |" in result.stdout, result.stdout[-3000:]
+    if plot is not None:
+        assert plot.stat().st_size > 0
+
+
+def test_mnist_speed_runs_the_demo_and_the_reference(run_command, tiny_mnist, tmp_path):
+    plot = tmp_path / "mnist.png"
+    result = run_command(PYTHON, "benchmarks/mnist_speed.py", "--data-dir", tiny_mnist,
+                         "--runs", "reference", "single", "ddp", "--plot", plot, timeout=300)
+    assert_table_and_plot(result, plot, "reference loop (per-sample transforms, fp32)", "mnist_1_single.py",
+                          "mnist_3_ddp.py, 2 processes")
+
+
+def test_mnist_speed_names_a_missing_dataset(run_command, tmp_path):
+    result = run_command(PYTHON, "benchmarks/mnist_speed.py", "--data-dir", tmp_path, "--runs", "single")
+    assert result.returncode != 0
+    assert "--data-dir" in result.stderr, result.stderr[-3000:]
+
+
+def test_mnist_floor(run_command):
+    result = run_command(PYTHON, "benchmarks/mnist_floor.py", "--train-seconds", "100")
+    assert_table_and_plot(result, None, "training FLOPs per image", "fastest possible fp32 epoch")
+    assert "| training FLOPs per image | 71.6 M |" in result.stdout, result.stdout
+
+
+def test_allreduce_speed(run_command, tmp_path):
+    plot = tmp_path / "allreduce.png"
+    result = run_command(PYTHON, "benchmarks/allreduce_speed.py", "--world-sizes", "2", "3", "--max-mb", "0.01",
+                         "--plot", plot)
+    assert_table_and_plot(result, plot, "3 | 4 KB | ring")
+
+
+def test_bucketing_speed(run_command, tmp_path):
+    plot = tmp_path / "bucketing.png"
+    result = run_command(PYTHON, "benchmarks/bucketing_speed.py", "--layers", "2", "--width", "64", "--batch", "4",
+                         "--steps", "2", "--nproc", "2", "--plot", plot)
+    assert_table_and_plot(result, plot, "torch DDP, bucket_cap_mb=25")
+
+
+def test_grad_sync(run_command):
+    result = run_command(PYTHON, "benchmarks/grad_sync.py", "--nproc", "2", "--accumulation-steps", "2",
+                         "--micro-batch", "2", "--optimizer-steps", "1")
+    assert_table_and_plot(result, None, "accelerator.accumulate")
+
+
+def test_nli_speed(run_command, tiny_bert, tmp_path):
+    plot = tmp_path / "nli.png"
+    result = run_command(PYTHON, "benchmarks/nli_speed.py", "--model", tiny_bert, "--steps", "2", "--batch-size", "4",
+                         "--nproc", "2", "--plot", plot, timeout=300)
+    assert_table_and_plot(result, plot, "ddp.py, 2 processes")
