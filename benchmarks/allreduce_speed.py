@@ -63,13 +63,13 @@ def plot(rows: list[tuple], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     world_sizes = sorted({r[0] for r in rows})
+    sizes = sorted({r[1] for r in rows})
     fig, axes = plt.subplots(1, len(world_sizes), figsize=(5 * len(world_sizes), 3.6), sharey=True, squeeze=False)
     for ax, world_size in zip(axes[0], world_sizes):
         for name in CONTENDERS:
             points = [(s, s / t / 1e9) for w, s, n, t in rows if w == world_size and n == name]
             ax.plot(*zip(*points), marker="o", label=name)
         ax.set_xscale("log", base=2)
-        sizes = sorted({r[1] for r in rows})
         ax.set_xticks(sizes, [human(s) for s in sizes], rotation=45)
         ax.set_title(f"{world_size} processes")
         ax.set_xlabel("tensor size")

@@ -17,7 +17,7 @@ from conftest import ROOT, TEST_IMAGES
 
 HARNESS = ROOT / "tests" / "slurm" / "local_cluster.sh"
 SKIP = 3  # the harness's exit code for "cannot start SLURM here"
-JOBS = {  # name: launcher, its options, job script, chapter script, what the header line says
+JOBS = {  # name: launcher, its options, job script, chapter script, the world size it must report
     "torchrun, 1 node x 2 processes": ("sbatch", ["-N1", "--export=ALL,NPROC_PER_NODE=2"], "slurm/torchrun.sbatch",
                                        "src/ch4/mnist_3_ddp.py", "2 processes"),
     "torchrun, 2 nodes x 1 process": ("sbatch", ["-N2", "--export=ALL,NPROC_PER_NODE=1"], "slurm/torchrun.sbatch",
@@ -76,7 +76,7 @@ def job_outputs(cluster, tiny_mnist):
 @pytest.mark.parametrize("name", list(JOBS))
 def test_job_trains_and_evaluates_exactly(job_outputs, name):
     returncode, output = job_outputs[name]
-    assert returncode == 0, f"{name}: sbatch exit {returncode}\n{output[-4000:]}"
+    assert returncode == 0, f"{name}: exit {returncode}\n{output[-4000:]}"
     assert f"over {TEST_IMAGES} images" in output, output[-4000:]
     assert f"{JOBS[name][4]} on cpu" in output, output[-4000:]
 
