@@ -1,4 +1,4 @@
-"""Time one MNIST epoch three ways and print a table: the reference loop, step 1, and DDP over 2 processes.
+"""Time one MNIST epoch three ways and print a table: the reference loop, step 1, and DDP (a process per GPU, or 2 on a CPU).
 
 `make demo` runs the last two; `make benchmark` runs all three and saves the plot.
 
@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common.distributed import processes_for_this_machine
 from plotting import bar_chart
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +53,8 @@ def table(results: dict[str, dict[str, float]]) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", required=True, help="folder holding MNIST/raw (e.g. ../shared/data)")
-    parser.add_argument("--nproc", type=int, default=2, help="processes for the DDP run (default: 2)")
+    parser.add_argument("--nproc", type=int, default=processes_for_this_machine(),
+                        help="processes for the DDP run (default: one per GPU, or 2 on a CPU)")
     parser.add_argument("--runs", nargs="+", choices=["reference", "single", "ddp"],
                         default=["reference", "single", "ddp"], help="which runs, in this order (default: all)")
     parser.add_argument("--plot", help="also save a bar chart to this PNG")

@@ -32,8 +32,15 @@ def _in_place(summing):
     return all_reduce
 
 
-def _wait(requests) -> None:
-    for request in requests:
+def _exchange(sends=(), receives=()) -> None:
+    """Post sends [(tensor, peer)] and receives [(buffer, peer)] at once, then wait for all of them.
+
+    batch_isend_irecv hands the whole set to the backend together: NCCL can deadlock on separate
+    isend/irecv calls to the same peer, gloo simply issues each one.
+    """
+    ops = [dist.P2POp(dist.isend, tensor, peer) for tensor, peer in sends]
+    ops += [dist.P2POp(dist.irecv, buffer, peer) for buffer, peer in receives]
+    for request in dist.batch_isend_irecv(ops):
         request.wait()
 
 
@@ -43,13 +50,13 @@ def reduce_broadcast_all_reduce(tensor: torch.Tensor) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         received = [torch.empty_like(tensor) for _ in range(world_size - 1)]
-        _wait([dist.irecv(buffer, src=src) for src, buffer in enumerate(received, start=1)])
+        _exchange(receives=[(buffer, src) for src, buffer in enumerate(received, start=1)])
         for buffer in received:
             tensor.add_(buffer)
-        _wait([dist.isend(tensor, dst=dst) for dst in range(1, world_size)])
+        _exchange(sends=[(tensor, dst) for dst in range(1, world_size)])
     else:
-        dist.send(tensor, dst=0)
-        dist.recv(tensor, src=0)
+        _exchange(sends=[(tensor, 0)])
+        _exchange(receives=[(tensor, 0)])
 
 
 @_in_place
@@ -61,7 +68,7 @@ def all_to_all_all_reduce(tensor: torch.Tensor) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     pieces = [tensor if peer == rank else torch.empty_like(tensor) for peer in range(world_size)]
     others = [peer for peer in range(world_size) if peer != rank]
-    _wait([dist.isend(tensor, dst=peer) for peer in others] + [dist.irecv(pieces[peer], src=peer) for peer in others])
+    _exchange(sends=[(tensor, peer) for peer in others], receives=[(pieces[peer], peer) for peer in others])
     total = pieces[0].clone()
     for piece in pieces[1:]:
         total.add_(piece)
@@ -86,11 +93,11 @@ def ring_all_reduce(tensor: torch.Tensor) -> None:
     for step in range(world_size - 1):
         send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
         buffer = incoming[: chunks[receive].numel()]
-        _wait([dist.isend(chunks[send], dst=right), dist.irecv(buffer, src=left)])
+        _exchange(sends=[(chunks[send], right)], receives=[(buffer, left)])
         chunks[receive].add_(buffer)
     for step in range(world_size - 1):
         send, receive = (rank + 1 - step) % world_size, (rank - step) % world_size
-        _wait([dist.isend(chunks[send], dst=right), dist.irecv(chunks[receive], src=left)])
+        _exchange(sends=[(chunks[send], right)], receives=[(chunks[receive], left)])
 
 
 def bytes_sent_per_rank(algorithm: str, size_bytes: int, world_size: int) -> float:

@@ -2,6 +2,8 @@
 import argparse
 import sys
 
+from common.precision import AUTO_HELP
+
 
 def positive_int(text: str) -> int:
     value = int(text)
@@ -10,9 +12,11 @@ def positive_int(text: str) -> int:
     return value
 
 
-def training_parser(doc: str, batch_size: int, eval_batch_size: int, lr: float) -> argparse.ArgumentParser:
+def training_parser(doc: str, batch_size: int, eval_batch_size: int, lr: float,
+                    precision: bool = True) -> argparse.ArgumentParser:
     """The flags every chapter script shares; its help text is the script's docstring, so --help shows
-    how to launch it. Defaults that differ between chapters (batch sizes, learning rate) are arguments."""
+    how to launch it. Defaults that differ between chapters (batch sizes, learning rate) are arguments;
+    precision=False leaves out --precision, for scripts that train in fp32 only."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=positive_int, default=1)
     parser.add_argument("--batch-size", type=positive_int, default=batch_size,
@@ -21,8 +25,8 @@ def training_parser(doc: str, batch_size: int, eval_batch_size: int, lr: float) 
                         help=f"PER-PROCESS evaluation batch; it does not change the result (default: {eval_batch_size})")
     parser.add_argument("--lr", type=float, default=lr, help=f"learning rate (default: {lr:g})")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                        help="autocast dtype; auto = bf16 where the hardware has it natively, else fp32")
+    if precision:
+        parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto", help=AUTO_HELP)
     parser.add_argument("--dist-timeout", type=float, default=300,
                         help="seconds a process waits for its peers before giving up (default: 300)")
     return parser

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+import torch._dynamo  # noqa: F401  before any process group exists: see the note below
 import torch.distributed as dist
+
+# Every torch.optim optimizer imports torch._dynamo when it is created. Imported after a process group
+# exists, torch._dynamo holds references to it, so destroy_process_group() no longer stops gloo's
+# worker threads; they run on while the interpreter shuts down, and one that frees the last reference
+# to a tensor must take the GIL, is killed, and the process aborts ("terminate called without an
+# active exception", about 1 run in 3 of benchmarks/bucketing_speed.py on torch 2.15). Importing it
+# here, first, keeps destroy_process_group() a real teardown. tools/stress.py reruns the check.
 
 
 @dataclass(frozen=True)
@@ -22,14 +30,18 @@ class Launch:
     local_rank: int  # on this node: picks the GPU
     world_size: int
     launcher: str  # "torchrun", "slurm" or "python"
+    local_world_size: int = 1  # processes on this node
 
 
 def detect_launch(environ=os.environ) -> Launch:
     """Read rank and world size from torchrun's variables, else SLURM's, else assume one process."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
-        return Launch(int(environ["RANK"]), int(environ.get("LOCAL_RANK", 0)), int(environ["WORLD_SIZE"]), "torchrun")
+        return Launch(int(environ["RANK"]), int(environ.get("LOCAL_RANK", 0)), int(environ["WORLD_SIZE"]), "torchrun",
+                      int(environ.get("LOCAL_WORLD_SIZE", environ["WORLD_SIZE"])))
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
-        return Launch(int(environ["SLURM_PROCID"]), int(environ.get("SLURM_LOCALID", 0)), int(environ["SLURM_NTASKS"]), "slurm")
+        local_rank = int(environ.get("SLURM_LOCALID", 0))
+        return Launch(int(environ["SLURM_PROCID"]), local_rank, int(environ["SLURM_NTASKS"]), "slurm",
+                      int(environ.get("SLURM_NTASKS_PER_NODE", local_rank + 1)))
     return Launch(0, 0, 1, "python")
 
 
@@ -45,21 +57,30 @@ def require_launcher(script: str, environ=os.environ) -> Launch:
     return launch
 
 
-def device_for(local_rank: int) -> torch.device:
-    """cuda:LOCAL_RANK when there are GPUs, else the CPU.
+def device_for(launch: Launch = Launch(0, 0, 1, "python"), gpu_count: int | None = None,
+               environ=os.environ) -> torch.device:
+    """cuda:LOCAL_RANK when there are GPUs, else the CPU; one clear sentence when GPUs are too few.
 
     The local rank, never the global one: on the second of two 4-GPU nodes, global rank 5 is cuda:1.
-    A process that sees a single GPU (srun --gpus-per-task=1 hides the others) uses that one.
+    Two processes must not share a GPU (NCCL refuses: "Duplicate GPU detected"). The one exception:
+    `srun --gpus-per-task=1` shows each task only its own GPU, as cuda:0.
     """
-    if not torch.cuda.is_available():
+    count = torch.cuda.device_count() if gpu_count is None else gpu_count
+    if count == 0:
         return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if count == 1:
+    if launch.launcher == "slurm" and count == 1 and environ.get("SLURM_GPUS_PER_TASK") == "1":
         return torch.device("cuda", 0)
-    if local_rank >= count:
-        sys.exit(f"error: local rank {local_rank} but only {count} GPUs are visible on this node: "
-                 f"start at most {count} processes per node (--nproc_per_node={count}).")
-    return torch.device("cuda", local_rank)
+    if launch.local_world_size > count:
+        sys.exit(f"error: {launch.local_world_size} processes on this node but {count} GPU(s) visible, and two "
+                 f"processes cannot share a GPU: start {count} per node (torchrun --nproc_per_node={count}, "
+                 f"accelerate launch --num_processes {count}, srun --gpus-per-task=1), or hide the GPUs with "
+                 f"CUDA_VISIBLE_DEVICES= to train on the CPU.")
+    return torch.device("cuda", launch.local_rank)
+
+
+def processes_for_this_machine() -> int:
+    """How many processes the demo and benchmarks start: one per GPU, or 2 on a CPU."""
+    return torch.cuda.device_count() or 2
 
 
 def backend_for(device: torch.device) -> str:
@@ -68,12 +89,18 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_process_group(launch: Launch, device: torch.device, timeout_s: float) -> None:
-    """dist.init_process_group with a timeout, so a peer that never arrives ends the run with a message."""
+    """dist.init_process_group with a timeout, so a peer that never arrives ends the run with a message.
+
+    NCCL connects lazily, at the first collective: the start-up barrier makes a missing peer show up
+    here, on every backend, and device_id binds the group to this process's GPU.
+    """
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:
         dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as error:  # DistStoreError and DistNetworkError are RuntimeErrors
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         sys.exit(f"error: rank {launch.rank} could not join a process group of {launch.world_size} "

@@ -23,9 +23,9 @@ DEFAULT_DATASET = "nyu-mll/multi_nli"
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv"}
 
 
-def nli_parser(doc: str):
+def nli_parser(doc: str, precision: bool = True):
     """The shared flags with this chapter's defaults (global batch 32, AdamW 5e-5), and the NLI ones."""
-    parser = training_parser(doc, batch_size=32, eval_batch_size=64, lr=5e-5)
+    parser = training_parser(doc, batch_size=32, eval_batch_size=64, lr=5e-5, precision=precision)
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"hub name or local folder with config, weights and tokenizer (default: {DEFAULT_MODEL})")
     parser.add_argument("--dataset", default=DEFAULT_DATASET,

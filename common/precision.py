@@ -1,20 +1,34 @@
-"""Mixed precision as one flag: fp32, bf16 or fp16 autocast, or auto (bf16 only where it is native).
+"""Mixed precision as one flag: fp32, bf16 or fp16 autocast, or auto (what the hardware does natively).
 
-bf16 autocast pays off only on hardware with bf16 units: Ampere-or-newer GPUs, and CPUs with AMX or
-AVX512-BF16. On a CPU without them (AVX2 only), oneDNN emulates bf16 and a step gets several times
-slower, so auto means fp32 there. fp16 needs a GradScaler, so that small gradients do not underflow,
-and is offered on CUDA only.
+auto means bf16 where the hardware has bf16 units: GPUs of compute capability 8.0 or newer (A100,
+H100, RTX 30xx and later) and CPUs with AMX or AVX512-BF16. Older GPUs (V100, T4) only emulate bf16,
+so auto means fp16 with loss scaling there, as users of those cards expect. On a CPU without bf16
+units oneDNN emulates it and a step gets several times slower, so auto means fp32. fp16 needs a
+GradScaler, so that small gradients do not underflow, and is offered on CUDA only.
 """
+import os
 import sys
 
 import torch
+import torch.nn as nn
+
+AUTO_HELP = ("autocast dtype; auto = bf16 where the hardware has it natively (GPUs of compute capability >= 8.0, "
+             "CPUs with AMX/AVX512-BF16), fp16 with loss scaling on older GPUs, else fp32")
+
+
+def auto_precision(device: torch.device, capability: tuple[int, int] | None = None,
+                   cpu_has_bf16: bool | None = None) -> str:
+    """The rule behind --precision auto; capability and cpu_has_bf16 default to this machine's."""
+    if device.type == "cuda":
+        major, _ = capability or torch.cuda.get_device_capability(device)
+        return "bf16" if major >= 8 else "fp16"
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported() if cpu_has_bf16 is None else cpu_has_bf16
+    return "bf16" if native else "fp32"
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
     if requested == "auto":
-        if device.type == "cuda":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-        return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+        return auto_precision(device)
     if requested == "fp16" and device.type != "cuda":
         sys.exit("error: --precision fp16 needs a CUDA GPU; on the CPU use --precision bf16 or fp32.")
     return requested
@@ -26,14 +40,48 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=dtype, enabled=precision != "fp32")
 
 
+class Autocast(nn.Module):
+    """Run the wrapped module's forward under autocast, from inside the module.
+
+    nn.DataParallel runs each replica's forward in a thread of its own, and the autocast state is per
+    thread: each replica re-enters autocast with the device's default dtype (fp16 on CUDA), so a bf16
+    autocast around the call silently becomes fp16, without a GradScaler. Inside forward, every
+    replica's thread enters the requested autocast itself. (Replacing model.forward instead does not
+    survive DataParallel's replication.)
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device, precision: str):
+        super().__init__()
+        self.module, self.device, self.precision = module, device, precision
+
+    def forward(self, *args, **kwargs):
+        with autocast(self.device, self.precision):
+            return self.module(*args, **kwargs)
+
+
 def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
     """Loss scaling for fp16; disabled (each call passes through) for bf16 and fp32."""
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
 
-def accelerate_mixed_precision(requested: str) -> str | None:
-    """--precision for Accelerator(mixed_precision=...): auto defers to `accelerate launch`'s config."""
-    if requested == "auto":
-        return None
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> bool:
+    """scaler.step and scaler.update; False where fp16 loss scaling skipped the step (inf or nan
+    gradients), so that the caller does not advance its learning-rate schedule for a step not taken."""
+    scale = scaler.get_scale() if scaler.is_enabled() else None
+    scaler.step(optimizer)
+    scaler.update()
+    return scale is None or scaler.get_scale() >= scale
+
+
+def accelerate_mixed_precision(requested: str, environ=os.environ) -> str:
+    """--precision for Accelerator(mixed_precision=...), with the same auto as the other scripts.
+
+    auto takes the launch config's mixed_precision where it names one (fp16 or bf16), and otherwise
+    the hardware rule above, so that the same GPU trains in the same precision in every script.
+    """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return {"fp32": "no"}.get(resolve_precision(requested, device), requested)
+    launched = environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if requested == "auto" and launched in ("fp16", "bf16"):
+        requested = launched
+    precision = resolve_precision(requested, device)
+    return "no" if precision == "fp32" else precision

@@ -1,7 +1,7 @@
 """Start N processes on this machine, joined into a gloo process group, with a hard time limit.
 
 For tests and benchmarks that need a real process group without a launcher. Each process gets the
-variables torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+variables torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
 OMP_NUM_THREADS=1), so code that reads them, such as Accelerate, sees an ordinary launch.
 """
 import os
@@ -19,7 +19,7 @@ from common.distributed import free_port
 
 def _entry(rank, worker, world_size, port, result_path, args):
     torch.set_num_threads(1)  # N processes share the machine's cores, as under torchrun
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:

@@ -10,4 +10,9 @@ PYTHON=${PYTHON:-python}
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # The batch script runs on the first node, so a port free here is free where the rendezvous listens.
 MASTER_PORT=${MASTER_PORT:-$("$PYTHON" -c 'from common.distributed import free_port; print(free_port())')}
-export HEAD_NODE MASTER_PORT PYTHON
+# CPUs: since Slurm 22.05 srun no longer inherits the job's --cpus-per-task, so the job scripts pass
+# it on explicitly; without it each srun task gets one core, and N GPU workers share it.
+CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}
+export HEAD_NODE MASTER_PORT PYTHON CPUS_PER_TASK
+# The threads each of N processes gets when they share one task's CPUs (torchrun's default is 1).
+share_cpus() { local n=$(( CPUS_PER_TASK / $1 )); echo $(( n > 1 ? n : 1 )); }

@@ -5,7 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from mnist_files import write_tiny_mnist
+# The CPU suite runs on the CPU even where there are GPUs: hidden from this process (before anything
+# initializes CUDA) and from every process it starts. test_gpu.py gets them back from GPU_DEVICES.
+GPU_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+from mnist_files import write_tiny_mnist  # noqa: E402  (after the line above)
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_IMAGES = 101  # divides by neither 2 nor 3 processes
@@ -19,8 +24,8 @@ def tiny_mnist(tmp_path_factory) -> Path:
 @pytest.fixture
 def run_command():
     """Run a command as a user would, from the repository root, offline, with a time limit."""
-    def run(*args, cwd=ROOT, timeout=180):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+    def run(*args, cwd=ROOT, timeout=180, env_extra=None):
+        env = {**os.environ, **(env_extra or {}), "PYTHONUNBUFFERED": "1",
                # any download attempt fails at once instead of reaching (or waiting on) the network
                "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
                "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",

@@ -9,13 +9,14 @@ from conftest import PYTHON
 
 
 def test_torchrun_variables_win():
-    env = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
-    assert detect_launch(env) == Launch(rank=5, local_rank=1, world_size=8, launcher="torchrun")
+    env = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "SLURM_PROCID": "0",
+           "SLURM_NTASKS": "2"}
+    assert detect_launch(env) == Launch(rank=5, local_rank=1, world_size=8, launcher="torchrun", local_world_size=4)
 
 
 def test_slurm_variables_without_torchrun():
-    env = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4"}
-    assert detect_launch(env) == Launch(rank=3, local_rank=1, world_size=4, launcher="slurm")
+    env = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2"}
+    assert detect_launch(env) == Launch(rank=3, local_rank=1, world_size=4, launcher="slurm", local_world_size=2)
 
 
 def test_plain_python_is_one_process():
@@ -29,7 +30,7 @@ def test_slurm_without_rendezvous_address_says_what_to_export():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
 def test_device_without_gpus_is_the_cpu():
-    assert device_for(3) == torch.device("cpu")
+    assert device_for(Launch(3, 1, 4, "torchrun", 2)) == torch.device("cpu")
 
 
 def test_missing_peer_fails_fast_with_a_message(run_command):

@@ -24,7 +24,7 @@ from transformers import get_linear_schedule_with_warmup
 
 from common.distributed import device_for, print0
 from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
-from common.precision import autocast, grad_scaler, resolve_precision
+from common.precision import Autocast, autocast, grad_scaler, optimizer_step, resolve_precision
 
 
 def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, steps_left, progress):
@@ -41,9 +41,8 @@ def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, 
             loss = nn.functional.cross_entropy(model(**batch).logits, labels)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
+        if optimizer_step(optimizer, scaler):  # False where fp16 loss scaling skipped the step
+            scheduler.step()
         loss_sum += loss.detach()
         steps += 1
         progress.update()
@@ -66,7 +65,7 @@ def evaluate(model, loader, device, precision):
 
 
 def main(args):
-    device = device_for(local_rank=0)
+    device = device_for()
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed)
 
@@ -79,7 +78,7 @@ def main(args):
     eval_loader = make_loader(eval_set, tokenizer, args.eval_batch_size, SequentialSampler(eval_set))
 
     model = model.to(device)
-    model = nn.DataParallel(model)  # split each batch over all visible GPUs
+    model = nn.DataParallel(Autocast(model, device, precision))  # every visible GPU; autocast inside each replica's thread
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     total_steps = min(args.max_steps or float("inf"), args.epochs * len(train_loader))
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)
@@ -94,7 +93,7 @@ def main(args):
                                   total_steps - steps_done, progress)
         train_seconds += time.perf_counter() - start
         steps_done += steps
-        print0(f"epoch {epoch}: mean training loss {loss:.4f}")
+        print0(f"epoch {epoch}: mean training loss {loss:.4f}, learning rate {scheduler.get_last_lr()[0]:.3e}")
     progress.close()
 
     correct, seen = evaluate(model, eval_loader, device, precision)

@@ -29,7 +29,7 @@ from common.cli import per_process_batch  # STEP
 from common.distributed import device_for, init_process_group, print0, require_launcher  # STEP
 from common.gather import sum_across_ranks  # STEP
 from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
-from common.precision import autocast, grad_scaler, resolve_precision
+from common.precision import autocast, grad_scaler, optimizer_step, resolve_precision  # STEP: one thread per process: no Autocast wrapper
 from common.samplers import DistributedEvalSampler  # STEP
 
 
@@ -47,9 +47,8 @@ def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, 
             loss = nn.functional.cross_entropy(model(**batch).logits, labels)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
+        if optimizer_step(optimizer, scaler):  # False where fp16 loss scaling skipped the step
+            scheduler.step()
         loss_sum += loss.detach()
         steps += 1
         progress.update()
@@ -73,7 +72,7 @@ def evaluate(model, loader, device, precision):
 
 def main(args):
     launch = require_launcher("src/ch4/ddp.py")  # STEP: rank, local rank, world size from torchrun or srun
-    device = device_for(launch.local_rank)  # STEP: cuda:LOCAL_RANK, never the global rank
+    device = device_for(launch)  # STEP: cuda:LOCAL_RANK, never the global rank; one GPU per process
     init_process_group(launch, device, args.dist_timeout)  # STEP: nccl on GPUs, gloo on the CPU
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed + launch.rank)  # STEP: own dropout masks per rank; DDP copies rank 0's weights to all
@@ -104,10 +103,10 @@ def main(args):
         train_seconds += time.perf_counter() - start
         steps_done += steps
         loss = sum_across_ranks(loss, device=device)[0] / launch.world_size  # STEP: the mean over ranks, not rank 0's
-        print0(f"epoch {epoch}: mean training loss {loss:.4f}")
+        print0(f"epoch {epoch}: mean training loss {loss:.4f}, learning rate {scheduler.get_last_lr()[0]:.3e}")
     progress.close()
 
-    correct, seen = evaluate(model, eval_loader, device, precision)
+    correct, seen = evaluate(model.module, eval_loader, device, precision)  # STEP: no DDP collectives: a rank may have no batch
     correct, seen = sum_across_ranks(correct, seen, device=device)  # STEP: every pair counted exactly once
     print0(f"train time {train_seconds:.1f} s, {steps_done / train_seconds:.2f} steps/s, "
            f"{steps_done * args.batch_size / train_seconds:.1f} samples/s")

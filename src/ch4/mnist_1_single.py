@@ -58,7 +58,7 @@ def evaluate(model, loader, device, precision):
 def main():
     args = mnist_parser(__doc__).parse_args()
 
-    device = device_for(local_rank=0)
+    device = device_for()
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed)
 

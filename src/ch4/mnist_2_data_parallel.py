@@ -24,7 +24,7 @@ from torch.utils.data import RandomSampler, SequentialSampler
 from common.cli import mnist_parser
 from common.distributed import device_for, print0
 from common.mnist import BasicNet, load_mnist, make_loader
-from common.precision import autocast, grad_scaler, resolve_precision
+from common.precision import Autocast, autocast, grad_scaler, resolve_precision  # STEP
 
 
 def train_epoch(model, loader, optimizer, scaler, device, precision):
@@ -62,7 +62,7 @@ def evaluate(model, loader, device, precision):
 def main():
     args = mnist_parser(__doc__).parse_args()
 
-    device = device_for(local_rank=0)
+    device = device_for()
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed)
 
@@ -73,7 +73,9 @@ def main():
     test_loader = make_loader(test_set, args.eval_batch_size, SequentialSampler(test_set), args.num_workers)
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
-    model = nn.DataParallel(model)  # STEP: replicate over all visible GPUs; on the CPU it just calls the module
+    # STEP: replicate over all visible GPUs (on the CPU it just calls the module). Each replica runs in its own
+    # STEP: thread, and autocast is per thread: Autocast enters it inside every replica's forward
+    model = nn.DataParallel(Autocast(model, device, precision))  # STEP
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 

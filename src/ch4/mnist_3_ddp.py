@@ -32,7 +32,7 @@ from common.cli import per_process_batch  # STEP
 from common.distributed import device_for, init_process_group, print0, require_launcher  # STEP
 from common.gather import sum_across_ranks  # STEP
 from common.mnist import BasicNet, load_mnist, make_loader
-from common.precision import autocast, grad_scaler, resolve_precision
+from common.precision import autocast, grad_scaler, resolve_precision  # STEP: one thread per process: no Autocast wrapper
 from common.samplers import DistributedEvalSampler  # STEP
 
 
@@ -72,7 +72,7 @@ def main():
     args = mnist_parser(__doc__).parse_args()
 
     launch = require_launcher("src/ch4/mnist_3_ddp.py")  # STEP: rank, local rank, world size from torchrun or srun
-    device = device_for(launch.local_rank)  # STEP: cuda:LOCAL_RANK, never the global rank
+    device = device_for(launch)  # STEP: cuda:LOCAL_RANK, never the global rank; one GPU per process
     init_process_group(launch, device, args.dist_timeout)  # STEP: nccl on GPUs, gloo on the CPU
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed + launch.rank)  # STEP: own dropout masks per rank; DDP copies rank 0's weights to all
@@ -98,7 +98,7 @@ def main():
         loss = sum_across_ranks(loss, device=device)[0] / launch.world_size  # STEP: the mean over ranks, not rank 0's
         print0(f"epoch {epoch}: mean training loss {loss:.4f}")
 
-    correct, seen = evaluate(model, test_loader, device, precision)
+    correct, seen = evaluate(model.module, test_loader, device, precision)  # STEP: no DDP collectives: a rank may have no batch
     correct, seen = sum_across_ranks(correct, seen, device=device)  # STEP: every test image counted exactly once
     print0(f"train time {train_seconds:.1f} s, {args.epochs * len(train_set) / train_seconds:.0f} samples/s")
     print0(f"test accuracy {correct / seen:.2%} over {seen} images")

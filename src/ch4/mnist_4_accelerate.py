@@ -27,7 +27,7 @@ from torch.utils.data import RandomSampler, SequentialSampler  # STEP
 
 from common.cli import mnist_parser
 from common.cli import per_process_batch
-from common.distributed import print0  # STEP
+from common.distributed import detect_launch, device_for, print0  # STEP
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, make_loader
 from common.precision import accelerate_mixed_precision  # STEP
@@ -67,7 +67,8 @@ def main():
     args = mnist_parser(__doc__).parse_args()
 
     # STEP: cpu=True without GPUs, or N launched processes would each train alone instead of forming a gloo group
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=accelerate_mixed_precision(args.precision))  # STEP
+    # STEP: device_for stops with one sentence if this node has more processes than GPUs
+    accelerator = Accelerator(cpu=device_for(detect_launch()).type == "cpu", mixed_precision=accelerate_mixed_precision(args.precision))  # STEP
     device = accelerator.device  # STEP
     torch.manual_seed(args.seed + accelerator.process_index)  # STEP: own dropout masks; prepare() syncs the weights
 

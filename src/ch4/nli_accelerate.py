@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from common.cli import per_process_batch
-from common.distributed import print0  # STEP
+from common.distributed import detect_launch, device_for, print0  # STEP
 from common.gather import sum_across_ranks
 from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
 from common.precision import accelerate_mixed_precision  # STEP
@@ -48,7 +48,7 @@ def train_epoch(model, loader, optimizer, scheduler, accelerator, device, steps_
         optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss)  # STEP: scales the loss for fp16, then runs backward
         optimizer.step()  # STEP
-        scheduler.step()
+        scheduler.step()  # STEP: prepare()d, it skips the steps that fp16 loss scaling skipped
         loss_sum += loss.detach()
         steps += 1
         progress.update()
@@ -72,7 +72,8 @@ def evaluate(model, loader, accelerator, device):  # STEP
 
 def training_function(args):  # STEP: what notebook_launcher runs in each process
     # STEP: cpu=True without GPUs, or N launched processes would each train alone instead of forming a gloo group
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=accelerate_mixed_precision(args.precision))  # STEP
+    # STEP: device_for stops with one sentence if this node has more processes than GPUs
+    accelerator = Accelerator(cpu=device_for(detect_launch()).type == "cpu", mixed_precision=accelerate_mixed_precision(args.precision))  # STEP
     device = accelerator.device  # STEP
     if device.type == "cpu" and accelerator.num_processes > 1:  # STEP: as torchrun's OMP_NUM_THREADS=1, and a must when
         torch.set_num_threads(1)  # STEP: notebook_launcher forks a kernel whose OpenMP threads the child lacks (it would hang)
@@ -89,7 +90,10 @@ def training_function(args):  # STEP: what notebook_launcher runs in each proces
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)  # STEP: before len(train_loader), which it shards
     total_steps = min(args.max_steps or float("inf"), args.epochs * len(train_loader))
-    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)
+    # STEP: a prepare()d scheduler advances num_processes times per step (once per process's batch), so its
+    # STEP: length counts every process's steps; it also skips the steps that fp16 loss scaling skipped
+    scheduler = accelerator.prepare(get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0,  # STEP
+                                                                    num_training_steps=total_steps * accelerator.num_processes))  # STEP
 
     print0(f"{accelerator.num_processes} processes on {device.type}, {accelerator.mixed_precision}, global batch {args.batch_size} = {accelerator.num_processes} x {batch_size}")  # STEP
     progress = tqdm(total=total_steps, desc="training", disable=not accelerator.is_main_process)  # STEP
@@ -101,7 +105,7 @@ def training_function(args):  # STEP: what notebook_launcher runs in each proces
         train_seconds += time.perf_counter() - start
         steps_done += steps
         loss = sum_across_ranks(loss, device=device)[0] / accelerator.num_processes  # STEP
-        print0(f"epoch {epoch}: mean training loss {loss:.4f}")
+        print0(f"epoch {epoch}: mean training loss {loss:.4f}, learning rate {scheduler.get_last_lr()[0]:.3e}")
     progress.close()
 
     correct, seen = evaluate(model, eval_loader, accelerator, device)  # STEP

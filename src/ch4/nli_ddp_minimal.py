@@ -27,7 +27,7 @@ from common.samplers import DistributedEvalSampler  # STEP
 
 def main(args):
     launch = require_launcher("src/ch4/nli_ddp_minimal.py")  # STEP: rank, local rank, world size from torchrun or srun
-    device = device_for(launch.local_rank)  # STEP: cuda:LOCAL_RANK, never the global rank
+    device = device_for(launch)  # STEP: cuda:LOCAL_RANK, never the global rank; one GPU per process
     init_process_group(launch, device, args.dist_timeout)  # STEP: nccl on GPUs, gloo on the CPU
     torch.manual_seed(args.seed + launch.rank)  # STEP: own dropout masks per rank; DDP copies rank 0's weights to all
 
@@ -68,7 +68,7 @@ def main(args):
         for batch in eval_loader:
             batch = to_device(batch, device)
             labels = batch.pop("labels")
-            correct += (model(**batch).logits.argmax(dim=-1) == labels).sum().item()
+            correct += (model.module(**batch).logits.argmax(dim=-1) == labels).sum().item()  # STEP: no DDP collectives: a rank may have no batch
             seen += labels.numel()
     correct, seen = sum_across_ranks(correct, seen, device=device)  # STEP: every pair counted exactly once
     print0(f"eval accuracy {correct / seen:.2%} over {seen} pairs")
@@ -76,6 +76,6 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = nli_parser(__doc__)
+    parser = nli_parser(__doc__, precision=False)  # fp32 only: data_parallel.py shows mixed precision
     parser.set_defaults(lr=3e-5, max_steps=300)
     main(parser.parse_args())

@@ -20,7 +20,7 @@ from common.nli import PairCollator, load_model_and_tokenizer, load_pairs, nli_p
 
 
 def main(args):
-    device = device_for(local_rank=0)
+    device = device_for()
     torch.manual_seed(args.seed)
 
     model, tokenizer = load_model_and_tokenizer(args.model)
@@ -65,6 +65,6 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = nli_parser(__doc__)
+    parser = nli_parser(__doc__, precision=False)  # fp32 only: data_parallel.py shows mixed precision
     parser.set_defaults(lr=3e-5, max_steps=300)
     main(parser.parse_args())

@@ -28,7 +28,7 @@ from transformers import get_linear_schedule_with_warmup
 from common.distributed import device_for, print0
 from common.loss_in_forward import LossInForward  # STEP
 from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
-from common.precision import autocast, grad_scaler, resolve_precision
+from common.precision import Autocast, autocast, grad_scaler, optimizer_step, resolve_precision
 
 
 def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, steps_left, progress):
@@ -45,9 +45,8 @@ def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, 
             loss = model(**batch, labels=labels).mean()  # STEP: one loss per replica, averaged here
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
+        if optimizer_step(optimizer, scaler):  # False where fp16 loss scaling skipped the step
+            scheduler.step()
         loss_sum += loss.detach()
         steps += 1
         progress.update()
@@ -70,7 +69,7 @@ def evaluate(model, loader, device, precision):
 
 
 def main(args):
-    device = device_for(local_rank=0)
+    device = device_for()
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed)
 
@@ -83,7 +82,7 @@ def main(args):
     eval_loader = make_loader(eval_set, tokenizer, args.eval_batch_size, SequentialSampler(eval_set))
 
     model = model.to(device)
-    model = nn.DataParallel(LossInForward(model, nn.CrossEntropyLoss()))  # STEP: replicas return losses, not logits
+    model = nn.DataParallel(Autocast(LossInForward(model, nn.CrossEntropyLoss()), device, precision))  # STEP: replicas return losses, not logits
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     total_steps = min(args.max_steps or float("inf"), args.epochs * len(train_loader))
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)
@@ -98,7 +97,7 @@ def main(args):
                                   total_steps - steps_done, progress)
         train_seconds += time.perf_counter() - start
         steps_done += steps
-        print0(f"epoch {epoch}: mean training loss {loss:.4f}")
+        print0(f"epoch {epoch}: mean training loss {loss:.4f}, learning rate {scheduler.get_last_lr()[0]:.3e}")
     progress.close()
 
     correct, seen = evaluate(model, eval_loader, device, precision)

@@ -1,0 +1,186 @@
+"""The decisions the GPU paths make, checked on a CPU: which device each process takes, what
+--precision auto means, that DataParallel replicas keep the autocast dtype, how many processes the
+Accelerate config starts, that evaluation survives fewer examples than processes, and that a skipped
+fp16 step does not advance the schedule. test_gpu.py runs the same paths on real GPUs, where present.
+"""
+import os
+import re
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import yaml
+
+from common.distributed import Launch, device_for, processes_for_this_machine
+from common.precision import Autocast, accelerate_mixed_precision, auto_precision, optimizer_step
+from conftest import ACCELERATE, PYTHON, ROOT, TORCHRUN
+
+CH4 = ROOT / "src" / "ch4"
+
+
+# ---- which GPU each process takes ----
+
+def torchrun(local_rank, local_world_size):
+    return Launch(local_rank, local_rank, local_world_size, "torchrun", local_world_size)
+
+
+@pytest.mark.parametrize("local_rank", [0, 3])
+def test_one_gpu_per_process(local_rank):
+    assert device_for(torchrun(local_rank, 4), gpu_count=4) == torch.device("cuda", local_rank)
+    assert device_for(torchrun(local_rank, 4), gpu_count=8) == torch.device("cuda", local_rank)
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_two_processes_on_one_gpu_stop_with_a_sentence(local_rank):
+    """Every rank, rank 0 included, says it: NCCL would refuse the shared GPU later, with a traceback."""
+    with pytest.raises(SystemExit, match=r"2 processes on this node but 1 GPU\(s\) visible.*--nproc_per_node=1"):
+        device_for(torchrun(local_rank, 2), gpu_count=1)
+
+
+def test_srun_gpus_per_task_shows_each_task_its_own_gpu():
+    launch = Launch(5, 1, 8, "slurm", 4)
+    assert device_for(launch, gpu_count=1, environ={"SLURM_GPUS_PER_TASK": "1"}) == torch.device("cuda", 0)
+    with pytest.raises(SystemExit, match="srun --gpus-per-task=1"):
+        device_for(launch, gpu_count=1, environ={})  # four tasks, one GPU they all see
+
+
+def test_no_gpus_means_the_cpu_and_two_processes():
+    assert device_for(torchrun(1, 2), gpu_count=0) == torch.device("cpu")
+    assert processes_for_this_machine() == (torch.cuda.device_count() or 2)
+
+
+# ---- what --precision auto means ----
+
+@pytest.mark.parametrize("capability, expected", [((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16"),
+                                                  ((8, 9), "bf16"), ((9, 0), "bf16")])
+def test_auto_on_gpus_is_bf16_from_ampere_on_and_fp16_with_scaling_before(capability, expected):
+    assert auto_precision(torch.device("cuda", 0), capability=capability) == expected
+
+
+def test_auto_on_cpus_is_bf16_only_with_bf16_units():
+    assert auto_precision(torch.device("cpu"), cpu_has_bf16=True) == "bf16"
+    assert auto_precision(torch.device("cpu"), cpu_has_bf16=False) == "fp32"
+
+
+def test_auto_means_the_same_in_the_accelerate_scripts():
+    here = auto_precision(torch.device("cpu"))
+    as_accelerate = {"fp32": "no"}.get(here, here)
+    assert accelerate_mixed_precision("auto", environ={}) == as_accelerate
+    assert accelerate_mixed_precision("auto", environ={"ACCELERATE_MIXED_PRECISION": "no"}) == as_accelerate
+    assert accelerate_mixed_precision("auto", environ={"ACCELERATE_MIXED_PRECISION": "bf16"}) == "bf16"
+    assert accelerate_mixed_precision("fp32", environ={"ACCELERATE_MIXED_PRECISION": "bf16"}) == "no"
+
+
+def test_help_says_what_auto_means(run_command):
+    result = run_command(PYTHON, CH4 / "mnist_1_single.py", "--help")
+    assert "fp16 with loss scaling on older GPUs" in " ".join(result.stdout.split())
+
+
+# ---- DataParallel keeps the autocast dtype in every replica ----
+
+def in_replica_thread(module, x, thread_dtype=None):
+    """What nn.DataParallel does for each replica (torch/nn/parallel/parallel_apply.py): run it in a
+    new thread that re-enters autocast with the caller's enabled flag, but not the caller's dtype, so
+    the thread gets the device's default (fp16 on CUDA; bf16 on the CPU, hence thread_dtype to mimic CUDA)."""
+    enabled, out = torch.is_autocast_enabled("cpu"), {}
+
+    def replica():
+        with torch.amp.autocast("cpu", enabled=enabled, dtype=thread_dtype):
+            out["y"] = module(x)
+    thread = threading.Thread(target=replica)
+    thread.start()
+    thread.join()
+    return out["y"]
+
+
+def test_a_replica_thread_loses_the_callers_autocast_dtype():
+    """The defect itself: fp16 asked for in the calling thread, the replica's thread autocasts to bf16."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.get_autocast_dtype("cpu") == torch.float16
+        assert in_replica_thread(lambda _: torch.get_autocast_dtype("cpu"), None) == torch.bfloat16
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_autocast_inside_the_module_survives_replica_threads(precision, dtype):
+    model = Autocast(nn.Linear(8, 8), torch.device("cpu"), precision)
+    replica = model._replicate_for_data_parallel()  # what DataParallel's replicate() makes of it each step
+    with torch.autocast("cpu", dtype=dtype):
+        assert in_replica_thread(replica, torch.randn(2, 8), thread_dtype=torch.float16).dtype == dtype
+        assert in_replica_thread(replica, torch.randn(2, 8), thread_dtype=torch.bfloat16).dtype == dtype
+
+
+def test_fp32_autocast_wrapper_changes_nothing():
+    layer = nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    assert torch.equal(Autocast(layer, torch.device("cpu"), "fp32")(x), layer(x))
+
+
+# ---- a skipped fp16 step does not advance the schedule ----
+
+@pytest.mark.parametrize("gradient, stepped", [(1.0, True), (float("inf"), False)])
+def test_optimizer_step_says_whether_the_scaler_skipped(gradient, stepped):
+    weight = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    scaler.scale((weight * gradient).sum()).backward()
+    assert optimizer_step(optimizer, scaler) is stepped
+    assert torch.equal(weight.detach(), torch.ones(3)) is not stepped
+
+
+# ---- the Accelerate GPU config: every GPU, never a silent 2 ----
+
+def test_multi_gpu_config_leaves_the_process_count_to_the_command(run_command, tiny_mnist):
+    config = yaml.safe_load((CH4 / "accelerate_configs" / "multi_gpu_fp16.yaml").read_text())
+    assert "num_processes" not in config and config["mixed_precision"] == "fp16"
+    result = run_command(*ACCELERATE, "--config_file", CH4 / "accelerate_configs" / "multi_gpu_fp16.yaml",
+                         CH4 / "mnist_4_accelerate.py", "--data-dir", tiny_mnist)
+    assert result.returncode != 0 and "manually pass in `--num_processes`" in result.stderr, result.stderr[-2000:]
+
+
+def test_a_multi_process_config_runs_one_process_as_on_one_gpu(run_command, tiny_mnist):
+    """--num_processes 1 with a MULTI_GPU config: the path one GPU takes with multi_gpu_fp16.yaml."""
+    result = run_command(*ACCELERATE, "--config_file", CH4 / "accelerate_configs" / "cpu_2_processes.yaml",
+                         "--num_processes", "1", CH4 / "mnist_4_accelerate.py", "--data-dir", tiny_mnist)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "1 processes on cpu" in result.stdout
+
+
+# ---- evaluation with fewer examples than processes ----
+
+@pytest.mark.parametrize("script", ["ddp.py", "nli_ddp_minimal.py"])
+def test_fewer_eval_pairs_than_processes(run_command, tiny_bert, nli_pairs, script):
+    """Rank 2 has no evaluation batch; a forward through DDP on the others would broadcast buffers alone."""
+    result = run_command(*TORCHRUN, "--nproc_per_node=3", CH4 / script, "--model", tiny_bert, "--dataset", nli_pairs,
+                         "--max-steps", "2", "--batch-size", "6", "--max-eval-samples", "2", "--dist-timeout", "60",
+                         timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "over 2 pairs" in result.stdout, result.stdout
+
+
+# ---- small ones ----
+
+@pytest.mark.parametrize("script", ["nli_dp_minimal.py", "nli_ddp_minimal.py"])
+def test_minimal_scripts_do_not_pretend_to_take_a_precision(run_command, script):
+    result = run_command(PYTHON, CH4 / script, "--precision", "bf16")
+    assert result.returncode == 2 and "unrecognized arguments: --precision" in result.stderr
+
+
+def test_accelerate_and_ddp_follow_the_same_schedule(run_command, tiny_bert, nli_pairs):
+    """The prepare()d scheduler of nli_accelerate.py steps once per process per step: built for the
+    single-process step count it would reach zero halfway. After epoch 0 both scripts have the same lr."""
+    flags = ["--model", tiny_bert, "--dataset", nli_pairs, "--epochs", "2", "--batch-size", "16",
+             "--max-eval-samples", "4", "--precision", "fp32"]
+    ddp = run_command(*TORCHRUN, "--nproc_per_node=2", CH4 / "ddp.py", *flags, "--dist-timeout", "60", timeout=240)
+    accelerate = run_command(*ACCELERATE, "--config_file", CH4 / "accelerate_configs" / "cpu_2_processes.yaml",
+                             CH4 / "nli_accelerate.py", *flags, timeout=240)
+    rates = [re.findall(r"epoch (\d): mean training loss [\d.]+, learning rate ([\d.e+-]+)", result.stdout)
+             for result in (ddp, accelerate)]
+    assert rates[0] and rates[0] == rates[1], (rates, ddp.stderr[-1500:], accelerate.stderr[-1500:])
+    assert float(rates[0][0][1]) > 0  # halfway through the schedule, not at its end
+
+
+def test_cpu_suite_hides_gpus_from_what_it_starts(run_command):
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    result = run_command(PYTHON, "-c", "import os, torch; print(repr(os.environ['CUDA_VISIBLE_DEVICES']), torch.cuda.device_count())")
+    assert result.stdout.split() == ["''", "0"]
