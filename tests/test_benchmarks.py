@@ -55,6 +55,14 @@ def test_grad_sync(run_command):
 
 def test_nli_speed(run_command, tiny_bert, tmp_path):
     plot = tmp_path / "nli.png"
-    result = run_command(PYTHON, "benchmarks/nli_speed.py", "--model", tiny_bert, "--steps", "2", "--batch-size", "4",
-                         "--nproc", "2", "--plot", plot, timeout=300)
-    assert_table_and_plot(result, plot, "ddp.py, 2 processes")
+    result = run_command(PYTHON, "benchmarks/nli_speed.py", "--model", tiny_bert, "--steps", "4", "--warmup", "1",
+                         "--batch-size", "4", "--nproc", "2", "--plot", plot, timeout=300)
+    assert_table_and_plot(result, plot, "data_parallel.py, 1 process on the CPU", "ddp.py, 2 processes")
+    for row in result.stdout.splitlines():
+        if row.startswith("| data_parallel.py") or row.startswith("| ddp.py"):
+            assert row.split(" | ")[1] == "2" and row.endswith("| host peak RSS |"), row  # 4 steps - 1 warm-up - 1
+
+
+def test_nli_speed_needs_steps_after_warmup(run_command, tiny_bert):
+    result = run_command(PYTHON, "benchmarks/nli_speed.py", "--model", tiny_bert, "--steps", "3", "--warmup", "3")
+    assert result.returncode == 2 and "--steps must be at least --warmup + 2 = 5" in result.stderr

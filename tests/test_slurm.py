@@ -18,18 +18,22 @@ from conftest import ROOT, TEST_IMAGES
 HARNESS = ROOT / "tests" / "slurm" / "local_cluster.sh"
 SKIP = 3  # the harness's exit code for "cannot start SLURM here"
 JOBS = {  # name: launcher, its options, job script, chapter script, the world size it must report
-    "torchrun, 1 node x 2 processes": ("sbatch", ["-N1", "--export=ALL,NPROC_PER_NODE=2"], "slurm/torchrun.sbatch",
-                                       "src/ch4/mnist_3_ddp.py", "2 processes"),
-    "torchrun, 2 nodes x 1 process": ("sbatch", ["-N2", "--export=ALL,NPROC_PER_NODE=1"], "slurm/torchrun.sbatch",
-                                      "src/ch4/mnist_3_ddp.py", "2 processes"),
-    "torchrun, 2 nodes x 2 processes": ("sbatch", ["-N2", "--export=ALL,NPROC_PER_NODE=2"], "slurm/torchrun.sbatch",
-                                        "src/ch4/mnist_3_ddp.py", "4 processes"),
-    "srun tasks, 2 nodes x 2 tasks": ("sbatch", ["-N2", "--ntasks-per-node=2"], "slurm/srun_tasks.sbatch",
-                                      "src/ch4/mnist_3_ddp.py", "4 processes"),
-    "accelerate, 2 nodes x 1 process": ("sbatch", ["-N2", "--export=ALL,NPROC_PER_NODE=1"], "slurm/accelerate.sbatch",
-                                        "src/ch4/mnist_4_accelerate.py", "2 processes"),
-    "salloc, 2 nodes x 1 process": ("salloc", ["-N2", "--ntasks-per-node=1"], "slurm/torchrun.sbatch",
-                                    "src/ch4/mnist_3_ddp.py", "2 processes"),
+    "torchrun, 1 node x 2 processes": ("sbatch", ["-N1", "--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=2"],
+                                       "slurm/torchrun.sbatch", "src/ch4/mnist_3_ddp.py", "2 processes"),
+    "torchrun, 2 nodes x 1 process": ("sbatch", ["-N2", "--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=1"],
+                                      "slurm/torchrun.sbatch", "src/ch4/mnist_3_ddp.py", "2 processes"),
+    "torchrun, 2 nodes x 2 processes": ("sbatch", ["-N2", "--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=2"],
+                                        "slurm/torchrun.sbatch", "src/ch4/mnist_3_ddp.py", "4 processes"),
+    "srun tasks, 2 nodes x 2 tasks": ("sbatch", ["-N2", "--ntasks-per-node=2", "--cpus-per-task=1"],
+                                      "slurm/srun_tasks.sbatch", "src/ch4/mnist_3_ddp.py", "4 processes"),
+    "accelerate, 2 nodes x 1 process": ("sbatch", ["-N2", "--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=1"],
+                                        "slurm/accelerate.sbatch", "src/ch4/mnist_4_accelerate.py", "2 processes"),
+    "accelerate, 1 node x 1 process, bf16": ("sbatch", ["-N1", "--cpus-per-task=2",
+                                                        "--export=ALL,NPROC_PER_NODE=1,MIXED_PRECISION=bf16"],
+                                             "slurm/accelerate.sbatch", "src/ch4/mnist_4_accelerate.py",
+                                             "1 processes on cpu, bf16"),
+    "salloc, 2 nodes x 1 process": ("salloc", ["-N2", "--ntasks-per-node=1", "--cpus-per-task=2"],
+                                    "slurm/torchrun.sbatch", "src/ch4/mnist_3_ddp.py", "2 processes"),
 }
 
 
@@ -78,7 +82,9 @@ def test_job_trains_and_evaluates_exactly(job_outputs, name):
     returncode, output = job_outputs[name]
     assert returncode == 0, f"{name}: exit {returncode}\n{output[-4000:]}"
     assert f"over {TEST_IMAGES} images" in output, output[-4000:]
-    assert f"{JOBS[name][4]} on cpu" in output, output[-4000:]
+    assert JOBS[name][4] in output and " on cpu" in output, output[-4000:]
+    cpus = next(option.split("=")[1] for option in JOBS[name][1] if option.startswith("--cpus-per-task"))
+    assert f"{cpus} CPU(s) per" in output, output[-4000:]  # the job asked for them and passed them to srun
 
 
 def test_job_script_outside_an_allocation_says_how_to_submit():
