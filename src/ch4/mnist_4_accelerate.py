@@ -3,13 +3,14 @@
 accelerator.prepare() does what step 3 wrote by hand: it picks the device, wraps the model in DDP,
 shards the data loaders across processes and moves batches to the device. accelerator.backward()
 replaces loss.backward() (and applies loss scaling for fp16), mixed precision comes from the launch
-config (or --precision, which overrides it), and gather_for_metrics() collects predictions from every rank and drops the samples that
-were repeated to give all ranks equal batches, so the accuracy is over exactly the test set.
+config where it names fp16 or bf16 (else from --precision, auto as in steps 1-3), and
+gather_for_metrics() collects predictions from every rank and drops the samples that were repeated to give all ranks equal batches, so the accuracy is over exactly the test set.
 The same file runs unchanged on one CPU, one GPU, several GPUs or several CPU processes.
 
 Run from the repository root (add --data-dir ../shared/data to use a local copy of MNIST):
     python src/ch4/mnist_4_accelerate.py                                          # one process
-    accelerate launch --config_file src/ch4/accelerate_configs/multi_gpu_fp16.yaml src/ch4/mnist_4_accelerate.py
+    NGPU=$(python -c 'import torch; print(torch.cuda.device_count())')           # every GPU, fp16
+    accelerate launch --config_file src/ch4/accelerate_configs/multi_gpu_fp16.yaml --num_processes $NGPU src/ch4/mnist_4_accelerate.py
     accelerate launch --config_file src/ch4/accelerate_configs/cpu_2_processes.yaml src/ch4/mnist_4_accelerate.py
     accelerate launch --multi_gpu --num_processes 2 src/ch4/mnist_4_accelerate.py  # no config file
 Trap: `accelerate launch --cpu --num_processes 2` starts ONE process (--cpu picks the single-process

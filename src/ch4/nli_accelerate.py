@@ -2,7 +2,7 @@
 
 accelerator.prepare() picks the device, wraps the model in DDP, shards the data loaders and moves
 batches to the device; accelerator.backward() replaces loss.backward() (with loss scaling for fp16);
-mixed precision comes from the launch config (or --precision, which overrides it); and
+mixed precision comes from the launch config where it names fp16 or bf16 (else --precision); and
 gather_for_metrics() collects predictions from every rank and drops the pairs repeated to give all
 ranks equal batches, so the accuracy is over exactly the evaluation set. The training runs in
 training_function(args), which Accelerate's notebook_launcher can start from a notebook:
@@ -11,7 +11,8 @@ training_function(args), which Accelerate's notebook_launcher can start from a n
     notebook_launcher(training_function, (nli_parser("").parse_args([...]),), num_processes=2)
 
 Run from the repository root (the defaults download bert-base-cased and MultiNLI from the hub):
-    accelerate launch --config_file src/ch4/accelerate_configs/multi_gpu_fp16.yaml src/ch4/nli_accelerate.py
+    NGPU=$(python -c 'import torch; print(torch.cuda.device_count())')           # every GPU, fp16
+    accelerate launch --config_file src/ch4/accelerate_configs/multi_gpu_fp16.yaml --num_processes $NGPU src/ch4/nli_accelerate.py
     accelerate launch --config_file src/ch4/accelerate_configs/cpu_2_processes.yaml src/ch4/nli_accelerate.py \
         --model path/to/bert --dataset pairs.jsonl
 The CPU trap of mnist_4_accelerate.py applies: --cpu --num_processes 2 starts ONE process.
