@@ -43,18 +43,21 @@ def worker(rank: int, world_size: int, sizes: list[int]) -> list[tuple]:
         tensor = torch.ones(size // 4, dtype=torch.float32)
         repeats = 20 if size <= 2**20 else 5
         for name, function in CONTENDERS.items():
-            rows.append((world_size, size, name, time_one(function, tensor, repeats)))
+            probe = torch.full((size // 4,), float(rank + 1))  # ranks hold 1, 2, ..., N: the sum is N(N+1)/2
+            function(probe)
+            exact = bool(torch.all(probe == world_size * (world_size + 1) / 2))
+            rows.append((world_size, size, name, time_one(function, tensor, repeats), exact))
     return rows
 
 
 def table(rows: list[tuple]) -> str:
-    gloo = {(w, s): t for w, s, name, t in rows if name.startswith("dist.")}
-    lines = ["| ranks | size | algorithm | ms | algbw GB/s | model: MB sent by busiest rank | vs gloo |",
-             "|---:|---:|---|---:|---:|---:|---:|"]
-    for world_size, size, name, seconds in rows:
+    gloo = {(w, s): t for w, s, name, t, _ in rows if name.startswith("dist.")}
+    lines = ["| ranks | size | algorithm | ms | algbw GB/s | model: MB sent by busiest rank | vs gloo | sum exact |",
+             "|---:|---:|---|---:|---:|---:|---:|---|"]
+    for world_size, size, name, seconds, exact in rows:
         model = bytes_sent_per_rank(name, size, world_size) if name in ALGORITHMS else bytes_sent_per_rank("ring", size, world_size)
         lines.append(f"| {world_size} | {human(size)} | {name} | {seconds * 1e3:.2f} | {size / seconds / 1e9:.2f} "
-                     f"| {model / 2**20:.2f} | {gloo[world_size, size] / seconds:.2f}x |")
+                     f"| {model / 2**20:.2f} | {gloo[world_size, size] / seconds:.2f}x | {'yes' if exact else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -67,7 +70,7 @@ def plot(rows: list[tuple], path: str, title: str) -> None:
     fig, axes = plt.subplots(1, len(world_sizes), figsize=(5 * len(world_sizes), 3.6), sharey=True, squeeze=False)
     for ax, world_size in zip(axes[0], world_sizes):
         for name in CONTENDERS:
-            points = [(s, s / t / 1e9) for w, s, n, t in rows if w == world_size and n == name]
+            points = [(s, s / t / 1e9) for w, s, n, t, _ in rows if w == world_size and n == name]
             ax.plot(*zip(*points), marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [human(s) for s in sizes], rotation=45)

@@ -80,7 +80,7 @@ def main():
         for name, command in runs.items():
             print(f"running: {' '.join(command)}", flush=True)
             results[name] = measure(command, args.warmup, args.batch_size)
-    print(f"| run | steps timed | steps/s | samples/s | peak memory per process | memory measured as |")
+    print("| run | steps timed | steps/s | samples/s | peak memory per process | memory measured as |")
     print("|---|---:|---:|---:|---:|---|")
     for name, r in results.items():
         print(f"| {name} | {r['steps'] - 1 - args.warmup} | {r['steps_per_s']:.2f} | {r['samples_per_s']:.1f} "

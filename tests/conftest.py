@@ -21,21 +21,23 @@ def tiny_mnist(tmp_path_factory) -> Path:
     return write_tiny_mnist(tmp_path_factory.mktemp("mnist"), train_size=192, test_size=TEST_IMAGES)
 
 
+def run_as_user(*args, cwd=ROOT, timeout=180, env_extra=None):
+    """Run a command as a user would, from the repository root, offline, with a time limit."""
+    env = {**os.environ, **(env_extra or {}), "PYTHONUNBUFFERED": "1",
+           # any download attempt fails at once instead of reaching (or waiting on) the network
+           "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+           "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    try:
+        return subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"{' '.join(map(str, args))} did not finish within {timeout} s:\n{expired.stdout}\n{expired.stderr}")
+
+
 @pytest.fixture
 def run_command():
-    """Run a command as a user would, from the repository root, offline, with a time limit."""
-    def run(*args, cwd=ROOT, timeout=180, env_extra=None):
-        env = {**os.environ, **(env_extra or {}), "PYTHONUNBUFFERED": "1",
-               # any download attempt fails at once instead of reaching (or waiting on) the network
-               "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
-               "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
-               "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        try:
-            return subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
-        except subprocess.TimeoutExpired as expired:
-            pytest.fail(f"{' '.join(map(str, args))} did not finish within {timeout} s:\n{expired.stdout}\n{expired.stderr}")
-    return run
+    return run_as_user
 
 
 PYTHON = sys.executable

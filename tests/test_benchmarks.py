@@ -1,7 +1,9 @@
 """Every benchmark script runs as the README says, at toy sizes, and prints its table and plot.
 
 The benchmarks read the chapter scripts' output (train time, accuracy lines): a change there that
-breaks them fails here, not in a user's `make demo`. The figures themselves are not checked.
+breaks them fails here, not in a user's `make demo`. Where a column says what a configuration did
+(all-reduces per step, whether a hand-written all-reduce summed exactly), the numbers are checked,
+so that each row is the thing it names. The figures themselves are not checked.
 """
 from conftest import PYTHON, assert_clear_error
 
@@ -12,6 +14,12 @@ def assert_table_and_plot(result, plot, *rows):
         assert f"| {row} |" in result.stdout, result.stdout[-3000:]
     if plot is not None:
         assert plot.stat().st_size > 0
+
+
+def table_rows(stdout: str, first_cell: str) -> dict[str, list[str]]:
+    """Markdown rows keyed by their first cell, for the rows whose first cell starts with first_cell."""
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in stdout.splitlines() if line.startswith("| ")]
+    return {row[0]: row[1:] for row in cells if row[0].startswith(first_cell)}
 
 
 def test_mnist_speed_runs_the_demo_and_the_reference(run_command, tiny_mnist, tmp_path):
@@ -38,19 +46,31 @@ def test_allreduce_speed(run_command, tmp_path):
     result = run_command(PYTHON, "benchmarks/allreduce_speed.py", "--world-sizes", "2", "3", "--max-mb", "0.01",
                          "--plot", plot)
     assert_table_and_plot(result, plot, "3 | 4 KB | ring")
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 2 |") or line.startswith("| 3 |")]
+    assert len(rows) == 2 * 2 * 4  # 2 world sizes x 2 sizes (1 and 4 KB) x 4 algorithms
+    assert all(line.endswith("| yes |") for line in rows), result.stdout  # each summed exactly
+    from common.allreduce import bytes_sent_per_rank
+    ring_3_4k = next(line for line in rows if line.startswith("| 3 | 4 KB | ring |")).split(" | ")
+    assert float(ring_3_4k[5]) == round(bytes_sent_per_rank("ring", 4096, 3) / 2**20, 2)
 
 
 def test_bucketing_speed(run_command, tmp_path):
     plot = tmp_path / "bucketing.png"
-    result = run_command(PYTHON, "benchmarks/bucketing_speed.py", "--layers", "2", "--width", "64", "--batch", "4",
+    result = run_command(PYTHON, "benchmarks/bucketing_speed.py", "--layers", "4", "--width", "256", "--batch", "4",
                          "--steps", "2", "--nproc", "2", "--plot", plot)
     assert_table_and_plot(result, plot, "torch DDP, bucket_cap_mb=25")
+    rows = table_rows(result.stdout, "ours")  # 4 layers of 0.25 MB: 1 MB buckets need two all-reduces
+    assert {name: row[1] for name, row in rows.items()} == {
+        "ours, one bucket after backward": "1", "ours, 1 MB buckets": "2", "ours, 4 MB buckets": "1",
+        "ours, 16 MB buckets": "1", "ours, 25 MB buckets": "1"}
 
 
 def test_grad_sync(run_command):
     result = run_command(PYTHON, "benchmarks/grad_sync.py", "--nproc", "2", "--accumulation-steps", "2",
                          "--micro-batch", "2", "--optimizer-steps", "1")
     assert_table_and_plot(result, None, "accelerator.accumulate")
+    counts = {name: row[1] for name, row in table_rows(result.stdout, "").items() if name != "variant"}
+    assert list(counts.values()) == ["4", "4", "2", "2"], counts  # 2 micro-batches x 2 buckets, or 1 x 2
 
 
 def test_nli_speed(run_command, tiny_bert, tmp_path):

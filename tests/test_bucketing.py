@@ -39,6 +39,24 @@ def compare_with_ddp(rank, world_size, bucket_cap_mb):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+def bucket_order(rank, world_size):
+    """Buckets hold the parameters in reverse (the order backward produces their gradients), so that
+    the first bucket fills, and its all-reduce starts, while backward still works on earlier layers."""
+    model = BucketedDataParallel(BasicNet(), bucket_cap_mb=0.5)
+    params = list(model.module.parameters())
+    assert [p for bucket in model.buckets for p in bucket] == params[::-1]
+    model.eval()
+    images, labels = batch_for(rank)
+    F.nll_loss(model(images), labels).backward()
+    launched = [index for index, _, _ in model._in_flight]
+    model.wait_for_gradients()
+    return launched
+
+
+def test_buckets_follow_backward_and_launch_in_order():
+    assert run_in_process_group(bucket_order, 2) == [0, 1, 2]
+
+
 @pytest.mark.parametrize("bucket_cap_mb", [0.5, 25, None])
 def test_gradients_equal_ddp(bucket_cap_mb):
     run_in_process_group(compare_with_ddp, 2, bucket_cap_mb)

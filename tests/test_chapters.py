@@ -1,5 +1,6 @@
-"""Keep the chapters honest: neighbouring scripts differ only in lines marked `# STEP`, and every
-file that a doc or a script's header tells the user to run exists."""
+"""Keep the chapters honest: neighbouring scripts differ only in lines marked `# STEP` (a line the
+step deletes was a `# STEP` line of the script before, or is listed in DELETIONS), and every file
+that a doc or a script's header tells the user to run exists."""
 import ast
 import difflib
 import re
@@ -14,6 +15,13 @@ STEPS = [*zip(MNIST_LADDER, MNIST_LADDER[1:]),  # each script is one step from t
          ("ddp.py", "nli_accelerate.py"), ("nli_dp_minimal.py", "nli_ddp_minimal.py")]
 BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py"]
 MARK = "# STEP"
+DELETIONS = {  # unmarked lines of the earlier script that a step deletes on purpose
+    ("mnist_3_ddp.py", "mnist_4_accelerate.py"): ["precision = resolve_precision(args.precision, device)"],
+    ("ddp.py", "nli_accelerate.py"): [
+        "model = model.to(device)",
+        "scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)",
+        "scaler = grad_scaler(device, precision)"],
+}
 
 
 def code_lines(name):
@@ -28,22 +36,35 @@ def without_mark(line):
 
 
 def changes(before, after):
-    """Lines of `after` whose code (marks aside) the diff adds, and lines of `after` it keeps as they were.
+    """Lines of `after` whose code (marks aside) the diff adds, lines of `after` it keeps as they were,
+    and lines of `before` it deletes without a replacement.
 
     Marks are compared away: a line that step 3 marked and step 4 keeps unmarked is unchanged code.
     """
-    added, kept = [], []
+    added, kept, deleted = [], [], []
     matcher = difflib.SequenceMatcher(a=[without_mark(line) for line in before],
                                       b=[without_mark(line) for line in after], autojunk=False)
-    for tag, _, _, j1, j2 in matcher.get_opcodes():
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         (kept if tag == "equal" else added).extend(after[j1:j2])
-    return added, kept
+        if tag == "delete":
+            deleted.extend(before[i1:i2])
+    return added, kept, deleted
+
+
+def unexplained_deletions(before_name, deleted):
+    """Deleted lines that were neither a `# STEP` line of the earlier script nor listed in DELETIONS."""
+    listed = DELETIONS.get(before_name, [])
+    return [line for line in deleted if line.strip() and MARK not in line and line.strip() not in listed]
 
 
 @pytest.mark.parametrize("before, after", STEPS)
 def test_neighbours_differ_only_in_marked_lines(before, after):
-    added, kept = changes(code_lines(before), code_lines(after))
+    added, kept, deleted = changes(code_lines(before), code_lines(after))
     unmarked = [line for line in added if line.strip() and MARK not in line]
+    silent = unexplained_deletions((before, after), deleted)
+    assert not silent, f"{after} deletes lines of {before} that are neither marked there nor listed:\n" + "\n".join(silent)
+    stale_list = set(DELETIONS.get((before, after), [])) - {line.strip() for line in deleted}
+    assert not stale_list, f"DELETIONS lists lines {after} does not delete: {stale_list}"
     assert not unmarked, f"{after} changes lines of {before} without `{MARK}`:\n" + "\n".join(unmarked)
     stale = [line for line in kept if MARK in line and without_mark(line).strip()]
     assert not stale, f"{after} marks lines it does not change:\n" + "\n".join(stale)
@@ -61,8 +82,16 @@ def test_every_chapter_script_is_checked():
 
 
 def test_the_check_above_catches_an_unmarked_change():
-    added, _ = changes(["a = 1", "b = 2"], ["a = 1", "b = 3"])
+    added, _, _ = changes(["a = 1", "b = 2"], ["a = 1", "b = 3"])
     assert added == ["b = 3"] and MARK not in added[0]
+
+
+def test_the_check_above_catches_a_silent_deletion():
+    """model.eval() deleted from a later step's evaluation is a change the reader would never see."""
+    before = code_lines("mnist_3_ddp.py")
+    after = [line for line in code_lines("mnist_4_accelerate.py") if line.strip() != "model.eval()"]
+    _, _, deleted = changes(before, after)
+    assert unexplained_deletions(("mnist_3_ddp.py", "mnist_4_accelerate.py"), deleted) == ["    model.eval()"]
 
 
 PATH = re.compile(r"(?<![\w/.-])((?:src|benchmarks|slurm|notebooks|images|tests|common|\.ci)/[\w./-]*\w)")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from common.distributed import Launch, detect_launch, device_for, free_port, require_launcher
-from common.precision import autocast, resolve_precision
+from common.precision import autocast
 from conftest import PYTHON
 
 
@@ -43,11 +43,6 @@ def test_missing_peer_fails_fast_with_a_message(run_command):
     assert result.returncode != 0
     assert "rank 1 could not join a process group of 2 within 3 s" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
-
-
-def test_auto_precision_on_cpu_is_bf16_only_where_native():
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if native else "fp32")
 
 
 def test_bf16_autocast_runs_matmuls_in_bf16():

@@ -1,14 +1,14 @@
 """Each MNIST chapter script, run end to end the way the README says, on a tiny MNIST the tests write.
 
 The test set has 101 images, which divides by neither 2 nor 3 processes: every run must still report
-an accuracy over exactly 101 images.
+an accuracy over exactly 101 images. The runs under torchrun and accelerate launch, 2 and 3 processes,
+are in test_lessons.py, which also checks what they compute.
 """
 import pytest
 
-from conftest import ACCELERATE, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_clear_error
+from conftest import PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_clear_error
 
 CH4 = ROOT / "src" / "ch4"
-CPU_CONFIG = CH4 / "accelerate_configs" / "cpu_2_processes.yaml"
 EXACT = f"over {TEST_IMAGES} images"
 
 
@@ -31,30 +31,6 @@ def test_classic_loader_and_two_epochs(run_command, tiny_mnist):
 
 def test_runs_from_inside_src_ch4(run_command, tiny_mnist):
     assert_ok(run_command(PYTHON, "mnist_1_single.py", "--data-dir", tiny_mnist, cwd=CH4))
-
-
-@pytest.mark.parametrize("nproc, batch", [(2, 64), (3, 48)])
-def test_ddp_with_torchrun(run_command, tiny_mnist, nproc, batch):
-    result = run_command(*TORCHRUN, f"--nproc_per_node={nproc}", CH4 / "mnist_3_ddp.py",
-                         "--data-dir", tiny_mnist, "--batch-size", batch, "--dist-timeout", 60)
-    assert_ok(result)
-    assert f"global batch {batch} = {nproc} x {batch // nproc}" in result.stdout
-    assert result.stdout.count("test accuracy") == 1  # rank 0 prints, the others do not
-
-
-def test_accelerate_with_the_cpu_config(run_command, tiny_mnist):
-    result = run_command(*ACCELERATE, "--config_file", CPU_CONFIG, CH4 / "mnist_4_accelerate.py",
-                         "--data-dir", tiny_mnist)
-    assert_ok(result)
-    assert "2 processes on cpu" in result.stdout
-
-
-def test_accelerate_three_processes_without_a_config(run_command, tiny_mnist):
-    result = run_command(*ACCELERATE, "--multi_gpu", "--num_processes", "3", "--num_machines", "1",
-                         "--mixed_precision", "no", "--dynamo_backend", "no",
-                         CH4 / "mnist_4_accelerate.py", "--data-dir", tiny_mnist, "--batch-size", "48")
-    assert_ok(result)
-    assert "3 processes on cpu" in result.stdout
 
 
 # ---- bad input: one clear sentence and a non-zero exit, never a deep traceback ----

@@ -8,10 +8,9 @@ import torch
 import torch.nn as nn
 
 from common.loss_in_forward import LossInForward
-from conftest import ACCELERATE, EVAL_PAIRS, PYTHON, ROOT, TORCHRUN, assert_clear_error
+from conftest import EVAL_PAIRS, PYTHON, ROOT, TORCHRUN, assert_clear_error
 
 CH4 = ROOT / "src" / "ch4"
-CPU_CONFIG = CH4 / "accelerate_configs" / "cpu_2_processes.yaml"
 EXACT = f"over {EVAL_PAIRS} pairs"
 
 
@@ -36,20 +35,13 @@ def test_minimal_prints_the_loss_every_10_steps(run_command, tiny_bert, nli_pair
     assert "step 10: loss" in result.stdout and "step 20: loss" in result.stdout and "step 30" not in result.stdout
 
 
-@pytest.mark.parametrize("script, nproc, batch", [("ddp.py", 2, 32), ("ddp.py", 3, 30), ("nli_ddp_minimal.py", 2, 32)])
+@pytest.mark.parametrize("script, nproc, batch", [("ddp.py", 2, 32), ("nli_ddp_minimal.py", 2, 32)])  # 3: test_lessons.py
 def test_ddp_with_torchrun(run_command, tiny_bert, nli_pairs, script, nproc, batch):
     result = run_command(*TORCHRUN, f"--nproc_per_node={nproc}", CH4 / script, *data_flags(tiny_bert, nli_pairs),
                          "--batch-size", batch)
     assert_ok(result)
     assert f"global batch {batch} = {nproc} x {batch // nproc}" in result.stdout
     assert result.stdout.count("eval accuracy") == 1
-
-
-def test_accelerate_with_two_cpu_processes(run_command, tiny_bert, nli_pairs):
-    result = run_command(*ACCELERATE, "--config_file", CPU_CONFIG, CH4 / "nli_accelerate.py",
-                         *data_flags(tiny_bert, nli_pairs))
-    assert_ok(result)
-    assert "2 processes on cpu" in result.stdout
 
 
 def test_validation_matched_from_a_saved_dataset(run_command, tiny_bert, nli_pairs, tmp_path):

@@ -50,7 +50,7 @@ def main():
         rows.append((name, failures, time.perf_counter() - start))
         if first_failure:
             print(f"--- first failure of {name}:\n{first_failure}\n---", flush=True)
-    print(f"\n| check | runs | failures | seconds per run |\n|---|---:|---:|---:|")
+    print("\n| check | runs | failures | seconds per run |\n|---|---:|---:|---:|")
     for name, failures, seconds in rows:
         print(f"| {name} | {args.runs} | {failures} | {seconds / args.runs:.1f} |")
     sys.exit(1 if any(failures for _, failures, _ in rows) else 0)

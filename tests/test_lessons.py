@@ -1,0 +1,135 @@
+"""What the README claims of each DDP and Accelerate script, checked on the scripts as users launch them.
+
+tests/instrument.py runs a script unchanged under torchrun or accelerate launch and records, per rank:
+the weights before the first optimizer step and the gradients it used, the weights at the end, and
+the indices each DistributedSampler handed out per epoch. From those:
+  - every rank ends with the same weights (DDP keeps the replicas identical);
+  - the first step used the gradient of one process on the whole global batch (DDP averages);
+  - each epoch deals every rank a new share of the shuffle (set_epoch), and the shares are disjoint;
+  - the printed accuracy has the correct count of one process evaluating the final weights on the
+    whole evaluation set, not only the right number of images.
+All runs use --precision fp32, so that the single-process reference computes the same numbers.
+"""
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.mnist import BasicNet, load_mnist
+from conftest import ACCELERATE, EVAL_PAIRS, ROOT, TEST_IMAGES, TORCHRUN, run_as_user
+
+CH4 = ROOT / "src" / "ch4"
+INSTRUMENT = ROOT / "tests" / "instrument.py"
+CPU_CONFIG = CH4 / "accelerate_configs" / "cpu_2_processes.yaml"
+MNIST_RUNS = {  # name: launcher, world size, global batch, script
+    "torchrun 2": (TORCHRUN + ["--nproc_per_node=2"], 2, 64, "mnist_3_ddp.py"),
+    "torchrun 3": (TORCHRUN + ["--nproc_per_node=3"], 3, 48, "mnist_3_ddp.py"),
+    "accelerate 2": (ACCELERATE + ["--config_file", CPU_CONFIG], 2, 64, "mnist_4_accelerate.py"),
+    "accelerate 3": (ACCELERATE + ["--multi_gpu", "--num_processes", "3", "--num_machines", "1", "--mixed_precision",
+                                   "no", "--dynamo_backend", "no"], 3, 48, "mnist_4_accelerate.py"),
+}
+
+
+def instrumented(launcher, script, out_dir, *flags, timeout=240):
+    result = run_as_user(*launcher, INSTRUMENT, out_dir, CH4 / script, *flags, "--precision", "fp32", timeout=timeout)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
+    return result.stdout, [torch.load(path, weights_only=False) for path in sorted(out_dir.glob("rank*.pt"))]
+
+
+def printed_correct(stdout: str, total: int, unit: str) -> int:
+    """The correct count behind 'accuracy P% over N images': P has two decimals, so it is unique for N < 10 000."""
+    percent = float(re.search(rf"accuracy ([\d.]+)% over {total} {unit}", stdout).group(1))
+    return round(percent * total / 100)
+
+
+@pytest.fixture(scope="module")
+def mnist_runs(tiny_mnist, tmp_path_factory):
+    runs = {}
+    for name, (launcher, world_size, batch, script) in MNIST_RUNS.items():
+        out_dir = tmp_path_factory.mktemp(name.replace(" ", "-"))
+        runs[name] = instrumented(launcher, script, out_dir, "--data-dir", tiny_mnist, "--epochs", "2",
+                                  "--batch-size", batch, "--dist-timeout", "60")
+    return runs
+
+
+def basic_net(params) -> BasicNet:
+    model = BasicNet()
+    with torch.no_grad():
+        for param, value in zip(model.parameters(), params):
+            param.copy_(value)
+    return model
+
+
+@pytest.mark.parametrize("name", list(MNIST_RUNS))
+def test_every_rank_ends_with_the_same_weights(mnist_runs, name):
+    stdout, ranks = mnist_runs[name]
+    assert len(ranks) == MNIST_RUNS[name][1]
+    assert f"{len(ranks)} processes on cpu" in stdout and f"global batch {MNIST_RUNS[name][2]} = " in stdout
+    for other in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["final"], other["final"]))
+
+
+@pytest.mark.parametrize("name", list(MNIST_RUNS))
+def test_accuracy_counts_what_one_process_counts(mnist_runs, tiny_mnist, name):
+    stdout, ranks = mnist_runs[name]
+    assert stdout.count("test accuracy") == 1  # rank 0 prints, the others do not
+    _, test_set = load_mnist(str(tiny_mnist))
+    model = basic_net(ranks[0]["final"]).eval()
+    with torch.no_grad():
+        correct = (model(test_set.images).argmax(dim=1) == test_set.labels).sum().item()
+    assert printed_correct(stdout, TEST_IMAGES, "images") == correct
+
+
+@pytest.mark.parametrize("name", ["torchrun 2", "torchrun 3"])
+def test_first_step_is_one_process_on_the_global_batch(mnist_runs, tiny_mnist, name):
+    _, ranks = mnist_runs[name]
+    per_rank = MNIST_RUNS[name][2] // len(ranks)
+    batch = [index for rank in ranks for index in rank["indices"][0][:per_rank]]  # each rank's first batch
+    train_set, _ = load_mnist(str(tiny_mnist))
+
+    def gradients(indices):  # one process, no dropout, as in the instrumented training
+        model = basic_net(ranks[0]["initial"]).eval()
+        F.nll_loss(model(train_set.images[indices]), train_set.labels[indices]).backward()
+        return [p.grad for p in model.parameters()]
+
+    def close(a, b):  # fp32 sums in another order (channels_last, all-reduce): differences near 1e-5
+        return all(torch.allclose(x, y, rtol=1e-3, atol=1e-4) for x, y in zip(a, b))
+    assert all(close(rank["grads"], gradients(batch)) for rank in ranks)
+    assert not close(ranks[0]["grads"], gradients(batch[:per_rank]))  # the check can fail: rank 0's batch alone
+
+
+@pytest.mark.parametrize("name", ["torchrun 2", "torchrun 3"])
+def test_each_epoch_deals_new_disjoint_shares(mnist_runs, name):
+    _, ranks = mnist_runs[name]
+    for epoch in (0, 1):
+        shares = [set(rank["indices"][epoch]) for rank in ranks]
+        assert sum(map(len, shares)) == len(set().union(*shares))  # disjoint
+    for rank in ranks:
+        assert rank["indices"][0] != rank["indices"][1]  # set_epoch: a new shuffle
+        assert set(rank["indices"][0]) != set(rank["indices"][1])  # not the same share reordered
+
+
+@pytest.mark.parametrize("launcher, script", [(TORCHRUN + ["--nproc_per_node=3"], "ddp.py"),
+                                              (ACCELERATE + ["--config_file", CPU_CONFIG], "nli_accelerate.py")])
+def test_bert_accuracy_and_replicas(tiny_bert, nli_pairs, tmp_path, launcher, script):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from common.nli import load_pairs, make_loader, tokenize_pairs
+    stdout, ranks = instrumented(launcher, script, tmp_path, "--model", tiny_bert, "--dataset", nli_pairs,
+                                 "--max-steps", "4", "--batch-size", "12", "--dist-timeout", "60", timeout=300)
+    assert f"global batch 12 = {len(ranks)} x {12 // len(ranks)}" in stdout and stdout.count("eval accuracy") == 1
+    for other in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["final"], other["final"]))
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=3).eval()
+    with torch.no_grad():
+        for param, value in zip(model.parameters(), ranks[0]["final"]):
+            param.copy_(value)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
+    _, eval_pairs = load_pairs(str(nli_pairs), "split", None, None)
+    correct = 0
+    with torch.no_grad():
+        for batch in make_loader(tokenize_pairs(eval_pairs, tokenizer, 128), tokenizer, 64, None):
+            labels = batch.pop("labels")
+            correct += (model(**batch).logits.argmax(dim=-1) == labels).sum().item()
+    assert printed_correct(stdout, EVAL_PAIRS, "pairs") == correct
