@@ -1,0 +1,118 @@
+"""Plant known bugs one at a time and check that the tests covering the touched file catch each one.
+
+A developer tool, not part of CI (it runs part of the suite once per bug, several minutes in all):
+
+    python tools/mutations.py                  # every planted bug
+    python tools/mutations.py --only ddp-wrap  # one of them, by name
+
+Each bug is applied to a fresh copy of the tracked files in a temporary folder, with that copy first
+on PYTHONPATH so that its `common` package is the one imported; the covering tests run there with
+-x. The table says, per bug, whether the tests failed (caught) and how long that took. A bug that
+is not caught means a claim the README makes is not tested.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LESSONS = "tests/test_lessons.py"
+PATHS = "tests/test_gpu_paths.py"
+MUTATIONS = [  # name, file, text, replacement, tests (pytest arguments)
+    ("ddp-wrap", "src/ch4/mnist_3_ddp.py",
+     '    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)',
+     "    pass", [LESSONS, "-k", "torchrun"]),
+    ("set-epoch", "src/ch4/mnist_3_ddp.py", "        train_sampler.set_epoch(epoch)", "        pass",
+     [LESSONS, "-k", "torchrun"]),
+    ("sum-seen-not-correct (MNIST)", "src/ch4/mnist_3_ddp.py",
+     "    correct, seen = sum_across_ranks(correct, seen, device=device)", "    seen = sum_across_ranks(seen, device=device)[0]",
+     [LESSONS, "-k", "torchrun"]),
+    ("sum-seen-not-correct (BERT)", "src/ch4/ddp.py",
+     "    correct, seen = sum_across_ranks(correct, seen, device=device)", "    seen = sum_across_ranks(seen, device=device)[0]",
+     [LESSONS, "-k", "bert"]),
+    ("no-eval-mode (Accelerate)", "src/ch4/mnist_4_accelerate.py", "    model.eval()\n", "",
+     ["tests/test_chapters.py", LESSONS, "-k", "accelerate or neighbours"]),
+    ("eval-through-DDP", "src/ch4/ddp.py", "evaluate(model.module, eval_loader", "evaluate(model, eval_loader",
+     [PATHS, "-k", "fewer"]),
+    ("buckets-in-forward-order", "common/bucketing.py", "for param in reversed(params):", "for param in params:",
+     ["tests/test_bucketing.py"]),
+    ("eval-sampler-fixed-shares", "common/samplers.py",
+     "            order = torch.randperm(self.dataset_size, generator=generator).tolist()",
+     "            order = list(range(self.dataset_size))\n"
+     "            order[self.rank::self.num_replicas] = [order[self.rank::self.num_replicas][i] for i in "
+     "torch.randperm(len(self), generator=generator).tolist()]",
+     ["tests/test_samplers.py"]),
+    ("ring-wrong-chunk", "common/allreduce.py", "send, receive = (rank - step) % world_size, (rank - step - 1) % world_size",
+     "send, receive = (rank - step) % world_size, (rank - step + 1) % world_size", ["tests/test_allreduce.py"]),
+    ("sum-without-all-reduce", "common/gather.py", "        dist.all_reduce(totals, op=dist.ReduceOp.SUM)\n", "",
+     ["tests/test_gather.py"]),
+    ("shared-gpu-allowed", "common/distributed.py", "    if launch.local_world_size > count:", "    if False:",
+     [PATHS, "-k", "gpu"]),
+    ("autocast-outside-replicas", "common/precision.py",
+     "        with autocast(self.device, self.precision):\n            return self.module(*args, **kwargs)",
+     "        return self.module(*args, **kwargs)", [PATHS, "-k", "autocast"]),
+    ("bf16-on-volta", "common/precision.py", 'return "bf16" if major >= 8 else "fp16"',
+     'return "bf16" if major >= 7 else "fp16"', [PATHS, "-k", "auto"]),
+    ("scheduler-steps-on-skipped-fp16", "common/precision.py", "    return scale is None or scaler.get_scale() >= scale",
+     "    return True", [PATHS, "-k", "optimizer_step"]),
+    ("accelerate-schedule-too-short", "src/ch4/nli_accelerate.py",
+     "num_training_steps=total_steps * accelerator.num_processes", "num_training_steps=total_steps",
+     [PATHS, "-k", "schedule"]),
+    ("benchmark-ignores-bucket-size", "benchmarks/bucketing_speed.py",
+     "BucketedDataParallel(module, bucket_cap_mb=bucket_cap_mb)", "BucketedDataParallel(module, bucket_cap_mb=None)",
+     ["tests/test_benchmarks.py", "-k", "bucketing"]),
+    ("benchmark-times-gloo-only", "benchmarks/allreduce_speed.py", "            function(probe)\n",
+     "            dist.all_reduce(probe)\n", ["tests/test_benchmarks.py", "-k", "allreduce"]),
+]
+
+
+def tracked_copy(folder: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for name in filter(None, files.split("\0")):
+        target = folder / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes((ROOT / name).read_bytes())
+
+
+def run(name, path, text, replacement, tests, timeout) -> tuple[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp)
+        tracked_copy(copy)
+        source = (copy / path).read_text()
+        if source.count(text) != 1:
+            return "NOT APPLIED (text not found once)", 0.0
+        (copy / path).write_text(source.replace(text, replacement))
+        env = {**os.environ, "PYTHONPATH": str(copy)}
+        start = time.perf_counter()
+        try:
+            result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                                    cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "caught (timed out)", time.perf_counter() - start
+        verdict = {0: "NOT CAUGHT", 1: "caught"}.get(result.returncode, f"pytest exit {result.returncode}")
+        return verdict, time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=[m[0] for m in MUTATIONS], help="run only these bugs")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per bug (default: 900)")
+    args = parser.parse_args()
+    rows = []
+    for name, path, text, replacement, tests in MUTATIONS:
+        if args.only and name not in args.only:
+            continue
+        verdict, seconds = run(name, path, text, replacement, tests, args.timeout)
+        print(f"{name}: {verdict} in {seconds:.0f} s", flush=True)
+        rows.append((name, path, verdict, seconds))
+    print("\n| planted bug | file | tests | seconds |\n|---|---|---|---:|")
+    for name, path, verdict, seconds in rows:
+        print(f"| {name} | {path} | {verdict} | {seconds:.0f} |")
+    sys.exit(0 if all(verdict.startswith("caught") for _, _, verdict, _ in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
