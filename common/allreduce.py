@@ -40,6 +40,8 @@ def _exchange(sends=(), receives=()) -> None:
     """
     ops = [dist.P2POp(dist.isend, tensor, peer) for tensor, peer in sends]
     ops += [dist.P2POp(dist.irecv, buffer, peer) for buffer, peer in receives]
+    if not ops:  # one rank alone: batch_isend_irecv refuses an empty list
+        return
     for request in dist.batch_isend_irecv(ops):
         request.wait()
 

@@ -36,13 +36,27 @@ class Launch:
 def detect_launch(environ=os.environ) -> Launch:
     """Read rank and world size from torchrun's variables, else SLURM's, else assume one process."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
-        return Launch(int(environ["RANK"]), int(environ.get("LOCAL_RANK", 0)), int(environ["WORLD_SIZE"]), "torchrun",
-                      int(environ.get("LOCAL_WORLD_SIZE", environ["WORLD_SIZE"])))
+        local_rank = int(environ.get("LOCAL_RANK", 0))
+        return Launch(int(environ["RANK"]), local_rank, int(environ["WORLD_SIZE"]), "torchrun",
+                      int(environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         local_rank = int(environ.get("SLURM_LOCALID", 0))
         return Launch(int(environ["SLURM_PROCID"]), local_rank, int(environ["SLURM_NTASKS"]), "slurm",
-                      int(environ.get("SLURM_NTASKS_PER_NODE", local_rank + 1)))
+                      slurm_tasks_on_this_node(environ) or local_rank + 1)
     return Launch(0, 0, 1, "python")
+
+
+def slurm_tasks_on_this_node(environ=os.environ) -> int | None:
+    """This node's entry of SLURM's tasks-per-node list, which reads like "4(x2),2" (4, 4, then 2)."""
+    listed = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if not listed:
+        return None
+    counts = []
+    for item in listed.split(","):
+        count, _, repeat = item.partition("(x")
+        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    node = int(environ.get("SLURM_NODEID", 0))
+    return counts[node] if node < len(counts) else None
 
 
 def require_launcher(script: str, environ=os.environ) -> Launch:
@@ -68,7 +82,7 @@ def device_for(launch: Launch = Launch(0, 0, 1, "python"), gpu_count: int | None
     count = torch.cuda.device_count() if gpu_count is None else gpu_count
     if count == 0:
         return torch.device("cpu")
-    if launch.launcher == "slurm" and count == 1 and environ.get("SLURM_GPUS_PER_TASK") == "1":
+    if launch.launcher == "slurm" and count == 1 and environ.get("SLURM_GPUS_PER_TASK", "").split(":")[-1] == "1":
         return torch.device("cuda", 0)
     if launch.local_world_size > count:
         sys.exit(f"error: {launch.local_world_size} processes on this node but {count} GPU(s) visible, and two "
@@ -91,8 +105,10 @@ def backend_for(device: torch.device) -> str:
 def init_process_group(launch: Launch, device: torch.device, timeout_s: float) -> None:
     """dist.init_process_group with a timeout, so a peer that never arrives ends the run with a message.
 
-    NCCL connects lazily, at the first collective: the start-up barrier makes a missing peer show up
-    here, on every backend, and device_id binds the group to this process's GPU.
+    NCCL connects lazily, at the first collective: device_id binds the group to this process's GPU
+    (and connects it now), and the start-up barrier makes a missing peer show up here, with this
+    message, on gloo and on NCCL where torch enforces Work.wait's timeout (before torch 2.6 only with
+    TORCH_NCCL_BLOCKING_WAIT=1; otherwise NCCL's watchdog ends the process after the same timeout).
     """
     if device.type == "cuda":
         torch.cuda.set_device(device)

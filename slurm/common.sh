@@ -12,7 +12,9 @@ HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=${MASTER_PORT:-$("$PYTHON" -c 'from common.distributed import free_port; print(free_port())')}
 # CPUs: since Slurm 22.05 srun no longer inherits the job's --cpus-per-task, so the job scripts pass
 # it on explicitly; without it each srun task gets one core, and N GPU workers share it.
-CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}
-export HEAD_NODE MASTER_PORT PYTHON CPUS_PER_TASK
+# Asked for nothing (salloc without -c), srun's steps may use the node's CPUs, as before.
+CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}
+CPUS_FLAG=${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}
+export HEAD_NODE MASTER_PORT PYTHON CPUS_PER_TASK CPUS_FLAG
 # The threads each of N processes gets when they share one task's CPUs (torchrun's default is 1).
 share_cpus() { local n=$(( CPUS_PER_TASK / $1 )); echo $(( n > 1 ? n : 1 )); }

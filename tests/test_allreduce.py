@@ -33,7 +33,7 @@ def check_all_algorithms(rank, world_size):
         torch.testing.assert_close(matrix, torch.arange(12.0).reshape(3, 4).t() * sum(range(1, world_size + 1)))
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_each_algorithm_equals_dist_all_reduce(world_size):
     run_in_process_group(check_all_algorithms, world_size, timeout=180)
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import yaml
 
-from common.distributed import Launch, device_for, processes_for_this_machine
+from common.distributed import Launch, detect_launch, device_for, processes_for_this_machine
 from common.precision import Autocast, accelerate_mixed_precision, auto_precision, optimizer_step
 from conftest import ACCELERATE, PYTHON, ROOT, TORCHRUN
 
@@ -43,6 +43,26 @@ def test_srun_gpus_per_task_shows_each_task_its_own_gpu():
     assert device_for(launch, gpu_count=1, environ={"SLURM_GPUS_PER_TASK": "1"}) == torch.device("cuda", 0)
     with pytest.raises(SystemExit, match="srun --gpus-per-task=1"):
         device_for(launch, gpu_count=1, environ={})  # four tasks, one GPU they all see
+
+
+def test_slurm_tasks_per_node_without_ntasks_per_node():
+    """sbatch -n 6 on 4-GPU nodes: SLURM lists 4 tasks on the first node, 2 on the second."""
+    environ = {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "6", "SLURM_NODEID": "0",
+               "SLURM_STEP_TASKS_PER_NODE": "4,2"}
+    assert detect_launch(environ).local_world_size == 4
+    assert detect_launch({**environ, "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x1),2"}).local_world_size == 2
+    assert detect_launch({**environ, "SLURM_STEP_TASKS_PER_NODE": "8(x2)"}).local_world_size == 8
+    with pytest.raises(SystemExit, match="8 processes on this node but 4 GPU"):  # every rank of the node says it
+        device_for(detect_launch({**environ, "SLURM_STEP_TASKS_PER_NODE": "8(x2)"}), gpu_count=4)
+
+
+def test_typed_gpus_per_task():
+    launch = Launch(1, 1, 2, "slurm", 2)
+    assert device_for(launch, gpu_count=1, environ={"SLURM_GPUS_PER_TASK": "a100:1"}) == torch.device("cuda", 0)
+
+
+def test_launchers_without_local_world_size_count_up_to_their_local_rank():
+    assert detect_launch({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}).local_world_size == 2
 
 
 def test_no_gpus_means_the_cpu_and_two_processes():

@@ -24,7 +24,7 @@ PATHS = "tests/test_gpu_paths.py"
 MUTATIONS = [  # name, file, text, replacement, tests (pytest arguments)
     ("ddp-wrap", "src/ch4/mnist_3_ddp.py",
      '    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)',
-     "    pass", [LESSONS, "-k", "torchrun"]),
+     "    model = torch.nn.DataParallel(model)", [LESSONS, "-k", "torchrun"]),  # runs, but each rank trains alone
     ("set-epoch", "src/ch4/mnist_3_ddp.py", "        train_sampler.set_epoch(epoch)", "        pass",
      [LESSONS, "-k", "torchrun"]),
     ("sum-seen-not-correct (MNIST)", "src/ch4/mnist_3_ddp.py",
@@ -47,7 +47,7 @@ MUTATIONS = [  # name, file, text, replacement, tests (pytest arguments)
      ["tests/test_samplers.py"]),
     ("ring-wrong-chunk", "common/allreduce.py", "send, receive = (rank - step) % world_size, (rank - step - 1) % world_size",
      "send, receive = (rank - step) % world_size, (rank - step + 1) % world_size", ["tests/test_allreduce.py"]),
-    ("sum-without-all-reduce", "common/gather.py", "        dist.all_reduce(totals, op=dist.ReduceOp.SUM)\n", "",
+    ("sum-without-all-reduce", "common/gather.py", "        dist.all_reduce(totals, op=dist.ReduceOp.SUM)\n", "        pass\n",
      ["tests/test_gather.py"]),
     ("shared-gpu-allowed", "common/distributed.py", "    if launch.local_world_size > count:", "    if False:",
      [PATHS, "-k", "gpu"]),
@@ -64,8 +64,12 @@ MUTATIONS = [  # name, file, text, replacement, tests (pytest arguments)
     ("benchmark-ignores-bucket-size", "benchmarks/bucketing_speed.py",
      "BucketedDataParallel(module, bucket_cap_mb=bucket_cap_mb)", "BucketedDataParallel(module, bucket_cap_mb=None)",
      ["tests/test_benchmarks.py", "-k", "bucketing"]),
-    ("benchmark-times-gloo-only", "benchmarks/allreduce_speed.py", "            function(probe)\n",
-     "            dist.all_reduce(probe)\n", ["tests/test_benchmarks.py", "-k", "allreduce"]),
+    ("benchmark-runs-the-wrong-variant", "benchmarks/grad_sync.py",
+     '"no_sync around forward + backward": "no_sync_around_forward_and_backward"',
+     '"no_sync around forward + backward": "no_sync_around_backward_only"', ["tests/test_benchmarks.py", "-k", "grad_sync"]),
+    ("benchmark-times-a-no-op", "benchmarks/allreduce_speed.py", 'CONTENDERS = {"dist.all_reduce (gloo)": dist.all_reduce, **ALGORITHMS}',
+     'CONTENDERS = {"dist.all_reduce (gloo)": dist.all_reduce, **ALGORITHMS, "ring": lambda tensor: tensor}',
+     ["tests/test_benchmarks.py", "-k", "allreduce"]),
 ]
 
 
