@@ -45,6 +45,13 @@ TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone"]
 ACCELERATE = [PYTHON, "-m", "accelerate.commands.launch"]
 
 
+def assert_ran(result, *phrases):
+    """A run that exits 0 and prints each phrase; on failure, the output says why."""
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
+    for phrase in phrases:
+        assert phrase in result.stdout, result.stdout
+
+
 def assert_clear_error(result, *phrases):
     """Bad input ends with a non-zero exit and one sentence on stderr, never a traceback."""
     assert result.returncode != 0

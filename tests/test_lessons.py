@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from common.mnist import BasicNet, load_mnist
-from conftest import ACCELERATE, EVAL_PAIRS, ROOT, TEST_IMAGES, TORCHRUN, run_as_user
+from conftest import ACCELERATE, EVAL_PAIRS, ROOT, TEST_IMAGES, TORCHRUN, assert_ran, run_as_user
 
 CH4 = ROOT / "src" / "ch4"
 INSTRUMENT = ROOT / "tests" / "instrument.py"
@@ -33,7 +33,7 @@ MNIST_RUNS = {  # name: launcher, world size, global batch, script
 
 def instrumented(launcher, script, out_dir, *flags, timeout=240):
     result = run_as_user(*launcher, INSTRUMENT, out_dir, CH4 / script, *flags, "--precision", "fp32", timeout=timeout)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
+    assert_ran(result)
     return result.stdout, [torch.load(path, weights_only=False) for path in sorted(out_dir.glob("rank*.pt"))]
 
 

@@ -6,15 +6,14 @@ are in test_lessons.py, which also checks what they compute.
 """
 import pytest
 
-from conftest import PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_clear_error
+from conftest import PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_clear_error, assert_ran
 
 CH4 = ROOT / "src" / "ch4"
 EXACT = f"over {TEST_IMAGES} images"
 
 
 def assert_ok(result):
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
-    assert EXACT in result.stdout, result.stdout
+    assert_ran(result, EXACT)
 
 
 @pytest.mark.parametrize("script", ["mnist_1_single.py", "mnist_2_data_parallel.py", "mnist_4_accelerate.py"])

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from common.loss_in_forward import LossInForward
-from conftest import EVAL_PAIRS, PYTHON, ROOT, TORCHRUN, assert_clear_error
+from conftest import EVAL_PAIRS, PYTHON, ROOT, TORCHRUN, assert_clear_error, assert_ran
 
 CH4 = ROOT / "src" / "ch4"
 EXACT = f"over {EVAL_PAIRS} pairs"
@@ -19,8 +19,7 @@ def data_flags(tiny_bert, nli_pairs):
 
 
 def assert_ok(result):
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
-    assert EXACT in result.stdout, result.stdout
+    assert_ran(result, EXACT)
 
 
 @pytest.mark.parametrize("script", ["data_parallel.py", "nli_loss_in_forward.py", "nli_dp_minimal.py"])
