@@ -138,10 +138,18 @@ def print0(*args, force: bool = False, **kwargs) -> None:
 
 @contextlib.contextmanager
 def main_process_first(local_rank: int):
-    """Let local rank 0 download or prepare files while the others wait, then let them read the result."""
+    """Let local rank 0 download or prepare files while the others wait, then let them read the result.
+
+    If local rank 0 stops instead (no dataset, say: it prints why), the others stop with a sentence
+    pointing at its message rather than a traceback about a closed connection.
+    """
     waiting = dist.is_available() and dist.is_initialized()
     if waiting and local_rank != 0:
-        dist.barrier()
+        try:
+            dist.barrier()
+        except RuntimeError:
+            sys.exit(f"error: rank {rank()} stopped because local rank 0 stopped while preparing the data; "
+                     "its message above says why.")
     yield
     if waiting and local_rank == 0:
         dist.barrier()

@@ -51,6 +51,16 @@ def test_missing_dataset_offline(run_command, tmp_path):
     assert_clear_error(result, "MNIST is not in", "pass --data-dir")
 
 
+def test_missing_dataset_under_torchrun(run_command, tmp_path):
+    """Local rank 0 says what is missing; the rank waiting for it says why it stops, no traceback."""
+    result = run_command(*TORCHRUN, "--nproc_per_node=2", CH4 / "mnist_3_ddp.py", "--data-dir", tmp_path / "none",
+                         "--dist-timeout", 60)
+    assert result.returncode != 0
+    assert "MNIST is not in" in result.stderr and "pass --data-dir" in result.stderr, result.stderr[-3000:]
+    assert "rank 1 stopped because local rank 0 stopped while preparing the data" in result.stderr, result.stderr[-3000:]
+    assert "[rank1]: Traceback" not in result.stderr, result.stderr[-3000:]
+
+
 def test_unknown_flag(run_command, tiny_mnist):
     result = run_command(PYTHON, CH4 / "mnist_1_single.py", "--data-dir", tiny_mnist, "--bogus")
     assert result.returncode == 2
