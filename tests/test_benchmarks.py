@@ -86,3 +86,14 @@ def test_nli_speed(run_command, tiny_bert, tmp_path):
 def test_nli_speed_needs_steps_after_warmup(run_command, tiny_bert):
     result = run_command(PYTHON, "benchmarks/nli_speed.py", "--model", tiny_bert, "--steps", "3", "--warmup", "3")
     assert result.returncode == 2 and "--steps must be at least --warmup + 2 = 5" in result.stderr
+
+
+def test_checkpoint_cost(run_command, tmp_path):
+    plot = tmp_path / "checkpoint.png"
+    result = run_command(PYTHON, "benchmarks/checkpoint_cost.py", "--models", "basicnet", "--repeats", "1",
+                         "--dir", tmp_path, "--plot", plot)
+    assert_table_and_plot(result, plot)
+    row = table_rows(result.stdout, "BasicNet")["BasicNet"]
+    assert row[0] == "1.2 M" and row[4] == "200"  # BasicNet, at mnist_3_ddp_resume.py's default interval
+    assert 13 < float(row[1]) < 15  # 1.2 M fp32 weights and AdamW's two moments: 3 x 4.8 MB, plus a little
+    assert list(tmp_path.iterdir()) == [plot]  # the temporary checkpoints are gone
