@@ -55,7 +55,7 @@ def rng_state(device: torch.device) -> dict:
 def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state:
+    if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
@@ -78,10 +78,14 @@ def _broadcast_from_rank0(obj):
 def write_atomically(obj, path: Path) -> None:
     """torch.save to a temporary file, fsync, rename over path, fsync the folder: all of it or nothing."""
     temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as file:
-        torch.save(obj, file)
-        file.flush()
-        os.fsync(file.fileno())
+    try:
+        with open(temporary, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())
+    except BaseException:  # disk full, say: leave no half-written file behind
+        temporary.unlink(missing_ok=True)
+        raise
     os.replace(temporary, path)  # atomic on POSIX: a reader sees the old name list or the new one
     folder = os.open(path.parent, os.O_RDONLY)
     try:
@@ -115,7 +119,7 @@ class Checkpoints:
         if rank() == 0:
             path = self.folder / f"step-{position.step:08d}.pt"
             write_atomically({**state, "position": asdict(position), "world_size": self.world_size,
-                              "fingerprint": self.fingerprint, "rng": ranks}, path)
+                              "device": self.device.type, "fingerprint": self.fingerprint, "rng": ranks}, path)
             for old in checkpoints_in(self.folder)[KEEP:]:
                 old.unlink()
         if dist.is_initialized():
@@ -138,10 +142,14 @@ class Checkpoints:
         if state is None:  # ranks other than 0 read the file rank 0 chose
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True)
-            except (OSError, RuntimeError) as error:
-                sys.exit(f"error: rank {rank()} cannot read {path}, which rank 0 read ({error}); "
+            except Exception as error:  # missing on this node, or read while being replaced
+                sys.exit(f"error: rank {rank()} cannot read {path}, which rank 0 read ({type(error).__name__}); "
                          "--checkpoint-dir must be on a filesystem that every node sees.")
         self._check(state, path)
+        if state["device"] != self.device.type and rank() == 0:
+            print(f"warning: {path} was written on {state['device']} and this run is on {self.device.type}: "
+                  "it continues from there, with the random state of the CPU only, so not bitwise as it would "
+                  "have been", file=sys.stderr)
         set_rng_state(state["rng"][rank()], self.device)
         position = Position(**state["position"])
         if rank() == 0:
@@ -160,13 +168,14 @@ class Checkpoints:
         return None, None
 
     def _check(self, state: dict, path: Path) -> None:
-        if state["world_size"] != self.world_size:
-            sys.exit(f"error: {path} was written by {state['world_size']} processes and this run has "
-                     f"{self.world_size}; each rank's data position and random state belong to its rank, so "
-                     f"resume with {state['world_size']} processes, or start afresh with another --checkpoint-dir.")
+        """Another run's checkpoint first (the folder may hold one), then another world size."""
         different = {key: (state["fingerprint"].get(key), value) for key, value in self.fingerprint.items()
                      if state["fingerprint"].get(key) != value}
         if different:
             listed = ", ".join(f"{key} {saved} there, {now} here" for key, (saved, now) in different.items())
             sys.exit(f"error: {path} belongs to another run ({listed}); resume with the same settings, "
                      f"or start afresh with another --checkpoint-dir.")
+        if state["world_size"] != self.world_size:
+            sys.exit(f"error: {path} was written by {state['world_size']} processes and this run has "
+                     f"{self.world_size}; each rank's data position and random state belong to its rank, so "
+                     f"resume with {state['world_size']} processes, or start afresh with another --checkpoint-dir.")

@@ -44,12 +44,12 @@ def mnist_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-def add_checkpoint_flags(parser: argparse.ArgumentParser, every: int) -> argparse.ArgumentParser:
+def add_checkpoint_flags(parser: argparse.ArgumentParser, folder: str, every: int) -> argparse.ArgumentParser:
     """The resume chapter's flags: where checkpoints go and how often (in optimizer steps)."""
-    parser.add_argument("--checkpoint-dir", default="checkpoints",
+    parser.add_argument("--checkpoint-dir", default=folder,
                         help="folder for checkpoints, on a filesystem every node sees; a run resumes from the "
                              "newest good one there, and writes the trained weights to DIR/final.pt "
-                             "(default: ./checkpoints)")
+                             f"(default: {folder})")
     parser.add_argument("--checkpoint-every", type=positive_int, default=every,
                         help=f"optimizer steps between checkpoints (default: {every})")
     return parser

@@ -61,10 +61,10 @@ def train_uneven(rank: int, world_size: int, how: str, batches: int, timeout_s: 
         everyone = [torch.empty_like(weights) for _ in range(world_size)]
         dist.all_gather(everyone, weights, group=group)  # the end of the epoch: a collective, as in a script
     except RuntimeError as error:  # gloo: "Timed out waiting ...ms for recv operation to complete"
-        return {"outcome": f"rank {rank} waited {time.perf_counter() - start:.0f} s, the process group's timeout, "
-                           f"in the all-reduce of its batch {done + 1}, which the other ranks, out of batches after "
-                           f"{batches}, never joined: DDP needs the same number of batches on every rank, or Join "
-                           f"({str(error).strip().splitlines()[0][-70:]})",
+        return {"outcome": f"rank {rank} was stuck in the all-reduce of its batch {done + 1}, which the other ranks, "
+                           f"out of batches after {batches}, never joined, until a timeout ended it ({timeout_s:g} s "
+                           f"here; 30 minutes by default): DDP needs the same number of batches on every rank, or "
+                           f"Join ({str(error).strip().splitlines()[0][-70:]})",
                 "seconds": time.perf_counter() - start, "replicas equal": None}
     return {"outcome": "finished", "seconds": time.perf_counter() - start,
             "replicas equal": all(torch.equal(weights, other) for other in everyone)}

@@ -50,12 +50,16 @@ def uninterrupted(tiny_mnist, tmp_path_factory):
 @pytest.mark.parametrize("what, resumed_at", [
     ("kill-rank1-after-step10", "step-00000008.pt: epoch 1, 2 batches into it, step 8"),  # mid-epoch, no warning
     ("kill-rank0-in-save2", "step-00000004.pt: epoch 0, 4 batches into it, step 4"),  # the step-8 file never lands
+    ("term-rank0-after-step6", "step-00000006.pt: epoch 1, 0 batches into it, step 6"),  # rank 1 got no signal
 ])
 def test_killed_run_resumes_bitwise(uninterrupted, tiny_mnist, tmp_path, what, resumed_at):
     result = run(tmp_path, tiny_mnist, what)
     assert_ran(result, f"resumed from {tmp_path}/{resumed_at}", "over 101 images")
     if "in-save" in what:
         assert "ignoring" in result.stderr and "step-00000008.pt.tmp, left by a save that did not finish" in result.stderr
+    if "term" in what:  # both ranks stopped at the step after the signal, saved, and exited as if killed by it
+        assert "stopped by SIGTERM at step 6, after saving a checkpoint" in result.stdout
+        assert "failed (exitcode: 143)" in result.stderr  # torchrun counts that as a failure, and restarts them
     assert bitwise_equal(final_state(tmp_path), final_state(uninterrupted))
     assert sorted(path.name for path in tmp_path.glob("step-*.pt")) == ["step-00000008.pt", "step-00000012.pt"]
 
@@ -83,6 +87,7 @@ def test_truncated_checkpoint_falls_back_to_the_one_before(uninterrupted, tiny_m
 @pytest.mark.parametrize("processes, flags, phrase", [
     (3, [], "was written by 2 processes and this run has 3; each rank's data position and random state"),
     (2, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),
+    (3, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),  # the run first, then the processes
 ])
 def test_checkpoint_of_another_run_is_refused(uninterrupted, tiny_mnist, tmp_path, processes, flags, phrase):
     folder = shutil.copytree(uninterrupted, tmp_path / "copy")

@@ -71,9 +71,15 @@ def test_resumed_epoch_continues_the_same_shuffle(world_size):
         assert len(indices) == len(sampler)
         return indices
 
+    def torch_epoch(rank, epoch):
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=7)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
     for rank in range(world_size):
         for epoch in range(3):
             whole = epoch_indices(rank, epoch)
+            assert whole == torch_epoch(rank, epoch)  # uninterrupted, it is DistributedSampler
             batches = ResumableDistributedSampler(dataset, batch_size, num_replicas=world_size, rank=rank).batches_per_epoch
             assert batches == -(-len(whole) // batch_size)
             for cut in range(batches + 1):

@@ -95,7 +95,8 @@ def test_job_script_outside_an_allocation_says_how_to_submit():
     assert "run this inside a SLURM allocation" in result.stderr
 
 
-RESUME = ["src/ch4/mnist_3_ddp_resume.py", "--checkpoint-every", "4", "--batch-size", "32", "--epochs", "6",
+# tests/crash.py runs the script unchanged, 0.3 s slower per step until the requeue: a window to interrupt it
+RESUME = ["tests/crash.py", "slow-first-run", "src/ch4/mnist_3_ddp_resume.py", "--checkpoint-every", "4", "--batch-size", "32", "--epochs", "6",
           "--precision", "fp32", "--dist-timeout", "120"]
 INTERRUPT = {  # how each job is stopped once it has trained an epoch
     "uninterrupted": None,
@@ -154,7 +155,7 @@ def test_requeued_job_resumes_and_ends_bitwise_equal(requeued_jobs, name):
     assert "stopped by SIGTERM at step" in output and "after saving a checkpoint" in output, output[-4000:]
     assert "requeue: run 1 of job" in output and "resumed from" in output and f"over {TEST_IMAGES} images" in output
     if "USR1" in name:
-        assert "USR1: time limit near, requeueing job" in output
+        assert "USR1: time limit near: the workers save, then job" in output
     reference_state, reference_output, reference = requeued_jobs["uninterrupted"]
     assert reference_state.startswith("JobState=COMPLETED") and "resumed from" not in reference_output, reference_output
     assert bitwise_equal(final_state(checkpoints), final_state(reference))

@@ -109,7 +109,7 @@ def main(args):
     scaler = grad_scaler(device, precision)
     checkpoints = Checkpoints(args.checkpoint_dir, args.checkpoint_every, device=device,  # STEP: what must match to resume:
                               fingerprint={"global batch": args.batch_size, "training pairs": len(train_set),  # STEP
-                                           "seed": args.seed, "steps": total_steps})  # STEP
+                                           "seed": args.seed, "steps": total_steps, "model": args.model})  # STEP
     state = checkpoints.load_newest()  # STEP: None on a fresh start; restores this rank's random state
     position = Position(**state["position"]) if state else Position()  # STEP
     if state:  # STEP
@@ -144,4 +144,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(add_checkpoint_flags(nli_parser(__doc__), every=500).parse_args())  # STEP
+    main(add_checkpoint_flags(nli_parser(__doc__), "checkpoints/bert", every=500).parse_args())  # STEP

@@ -87,7 +87,7 @@ def evaluate(model, loader, device, precision):
 
 
 def main():
-    args = add_checkpoint_flags(mnist_parser(__doc__), every=200).parse_args()  # STEP
+    args = add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist", every=200).parse_args()  # STEP
 
     launch = require_launcher("src/ch4/mnist_3_ddp_resume.py")  # STEP
     device = device_for(launch)
