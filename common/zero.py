@@ -146,9 +146,10 @@ class ZeRO(nn.Module):
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Every parameter in full, in module.parameters() order (stage 3 gathers them: a collective)."""
-        for unit in self.units if self.stage == 3 else ():
+        sharded = self.units if self.stage == 3 else []
+        for unit in sharded:
             unit.gather()
         full = [p.detach().clone() for p in self.module.parameters()]
-        for unit in self.units if self.stage == 3 else ():
+        for unit in sharded:
             unit.free()
         return full
