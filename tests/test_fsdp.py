@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.mnist import load_mnist
+from common.mnist import BasicNet, load_mnist
 from conftest import EVAL_PAIRS, TEST_IMAGES, TORCHRUN
 from test_lessons import basic_net, instrumented, printed_correct
 
@@ -35,6 +35,8 @@ def mnist_fsdp(tiny_mnist, tmp_path_factory):
 
 def test_each_rank_holds_a_third_of_the_model(mnist_fsdp):
     _, ranks = mnist_fsdp
+    torch.manual_seed(0)  # what rank 0 (seed 0 + rank 0) builds, and DDP would broadcast
+    assert all(torch.equal(a, b) for a, b in zip(assembled(ranks, "initial"), BasicNet().parameters()))
     full = assembled(ranks, "final")
     assert [p.shape for p in full] == [p.shape for p in basic_net(full).parameters()]
     for index, rank in enumerate(ranks):  # rank r holds chunk r of each parameter's rows, nothing more

@@ -8,8 +8,9 @@ rank receives the average of its own piece only, and AdamW updates that piece. W
   - the model is wrapped layer by layer (conv1, conv2, fc1, fc2), then as a whole: one all-gather per
     layer, so only one layer's parameters are ever held in full. fully_shard needs contiguous
     parameters: the model stays in the default memory format (the images stay channels_last);
-  - fully_shard keeps each rank's piece of its OWN copy (DDP broadcasts rank 0's): rank 0's weights
-    are broadcast to every rank before sharding;
+  - fully_shard keeps rank r's piece of rank r's OWN copy, so with a seed per rank the model would
+    start as a patchwork of N initializations (and buffers, which are not sharded, would differ).
+    Rank 0's weights are broadcast first, as DDP does, so that both start from the same model;
   - evaluation must run the same forward passes on every rank, because every layer's forward is an
     all-gather all ranks join: DistributedSampler (which repeats a few images so that every rank gets
     as many) replaces DistributedEvalSampler, and each rank scores only the images before its repeats
@@ -89,7 +90,7 @@ def main():
     unpadded = len(DistributedEvalSampler(test_set))  # STEP: this rank's share before DistributedSampler's repeats
 
     model = BasicNet().to(device)  # STEP: fully_shard cannot shard channels_last (non-contiguous) weights
-    for tensor in model.state_dict().values():  # STEP: every rank shards rank 0's weights, not its own
+    for tensor in model.state_dict().values():  # STEP: shard rank 0's weights, not a patchwork of N
         dist.broadcast(tensor, src=0)  # STEP
     for layer in (model.conv1, model.conv2, model.fc1, model.fc2):  # STEP: one all-gather per layer, then freed
         fully_shard(layer)  # STEP

@@ -7,8 +7,9 @@ as one more group): a layer all-gathers its parameters just before its forward a
 backward, and frees them after, so at most about one layer is held in full besides the root's group.
 Backward reduce-scatters the gradients: each rank receives the average of its own piece, and AdamW
 updates that piece. What changes from ddp.py:
-  - every rank shards rank 0's weights (fully_shard keeps each rank's piece of its OWN copy, and the
-    classifier head is initialized at random, differently per rank): they are broadcast first;
+  - fully_shard keeps rank r's piece of rank r's OWN copy, and the classifier head is initialized at
+    random, differently per rank: rank 0's weights are broadcast first, as DDP does, so that the
+    model starts as DDP's, not as a patchwork of N heads;
   - evaluation must run the same forward passes on every rank, because every layer's forward is an
     all-gather all ranks join: DistributedSampler (which repeats a few pairs so that every rank gets as
     many) replaces DistributedEvalSampler, and each rank scores only the pairs before its repeats
@@ -93,7 +94,7 @@ def main(args):
     unpadded = len(DistributedEvalSampler(eval_set))  # STEP: this rank's share before DistributedSampler's repeats
 
     model = model.to(device)
-    for tensor in model.state_dict().values():  # STEP: every rank shards rank 0's weights, not its own
+    for tensor in model.state_dict().values():  # STEP: shard rank 0's weights, not a patchwork of N
         dist.broadcast(tensor, src=0)  # STEP
     for layer in model.base_model.encoder.layer:  # STEP: one all-gather per encoder layer, then freed
         fully_shard(layer)  # STEP
