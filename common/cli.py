@@ -44,6 +44,17 @@ def mnist_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+def add_checkpoint_flags(parser: argparse.ArgumentParser, folder: str, every: int) -> argparse.ArgumentParser:
+    """The resume chapter's flags: where checkpoints go and how often (in optimizer steps)."""
+    parser.add_argument("--checkpoint-dir", default=folder,
+                        help="folder for checkpoints, on a filesystem every node sees; a run resumes from the "
+                             "newest good one there, and writes the trained weights to DIR/final.pt "
+                             f"(default: {folder})")
+    parser.add_argument("--checkpoint-every", type=positive_int, default=every,
+                        help=f"optimizer steps between checkpoints (default: {every})")
+    return parser
+
+
 def per_process_batch(global_batch: int, world_size: int, flag: str = "--batch-size") -> int:
     """The batch each process loads, so that world_size of them add up to the global batch exactly."""
     if global_batch % world_size:

@@ -121,7 +121,23 @@ def init_process_group(launch: Launch, device: torch.device, timeout_s: float) -
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         sys.exit(f"error: rank {launch.rank} could not join a process group of {launch.world_size} "
                  f"within {timeout_s:g} s ({first_line}); check that every process started and that "
-                 f"MASTER_ADDR/MASTER_PORT point at rank 0.")
+                 f"MASTER_ADDR/MASTER_PORT point at rank 0.{stale_store_hint()}")
+    if launch.rank == 0 and stale_store_hint():
+        print(f"warning:{stale_store_hint()}", file=sys.stderr)
+
+
+def stale_store_hint(environ=os.environ) -> str:
+    """torchrun --max-restarts with its default shared store: restarted workers may connect to dead peers.
+
+    Since torch 2.5 torchrun's c10d rendezvous lends its own TCPStore to the workers, and keeps it across
+    restarts; the restarted workers find the addresses their killed predecessors wrote there and connect
+    to ports nobody listens on any more (pytorch/pytorch#135712; measured here: 2 restarts in 4 failed).
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, set where torchrun starts, gives each restart a fresh store.
+    """
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        return (" torchrun restarts workers into its shared store, where they can find their dead "
+                "predecessors' addresses (pytorch#135712): start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.")
+    return ""
 
 
 def rank() -> int:

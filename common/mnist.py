@@ -82,8 +82,11 @@ def load_mnist(data_dir: str, loader: str = "tensor", local_rank: int = 0) -> tu
     return MNISTTensors(splits[0]), MNISTTensors(splits[1])
 
 
-def make_loader(dataset: Dataset, batch_size: int, sampler, num_workers: int = 0) -> DataLoader:
-    """A DataLoader over either form of the dataset; the sampler decides which indices this process sees."""
+def make_loader(dataset: Dataset, batch_size: int, sampler, num_workers: int = 0, generator=None) -> DataLoader:
+    """A DataLoader over either form of the dataset; the sampler decides which indices this process sees.
+
+    Each iter() of a DataLoader draws a seed for its workers from `generator`, or from the global RNG
+    if there is none (even with num_workers=0), which shifts every later dropout mask."""
     collate = dataset.collate if isinstance(dataset, MNISTTensors) else None
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate,
-                      num_workers=num_workers, persistent_workers=num_workers > 0)
+                      num_workers=num_workers, persistent_workers=num_workers > 0, generator=generator)

@@ -100,9 +100,11 @@ def tokenize_pairs(dataset, tokenizer, max_length: int):
     return encoded.rename_column("label", "labels")  # lists of ids: the collator pads them into tensors
 
 
-def make_loader(dataset, tokenizer, batch_size: int, sampler) -> DataLoader:
-    """Batches padded to their own longest pair (DataCollatorWithPadding), not to max_length."""
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=DataCollatorWithPadding(tokenizer))
+def make_loader(dataset, tokenizer, batch_size: int, sampler, generator=None) -> DataLoader:
+    """Batches padded to their own longest pair (DataCollatorWithPadding), not to max_length.
+    generator: see common.mnist.make_loader."""
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=DataCollatorWithPadding(tokenizer),
+                      generator=generator)
 
 
 class PairCollator:

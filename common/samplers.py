@@ -1,4 +1,4 @@
-"""A sampler for exact distributed evaluation.
+"""Samplers for exact distributed evaluation, and for resuming training in the middle of an epoch.
 
 torch's DistributedSampler pads the index list with repeats until it divides by the world size
 (10000 test images over 7 ranks -> 10003), so an accuracy computed from it counts some images twice.
@@ -8,9 +8,13 @@ every index appears exactly once, whatever the dataset size and world size.
 Use it for evaluation only. Ranks then hold different numbers of samples, hence of batches, and in
 training DDP's all-reduce in backward would wait forever for the rank that ran out of batches first.
 """
+import itertools
+import math
+
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
+from torch.utils.data.distributed import DistributedSampler
 
 
 class DistributedEvalSampler(Sampler[int]):
@@ -40,3 +44,32 @@ class DistributedEvalSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Same contract as DistributedSampler.set_epoch: a new shuffle order each epoch."""
         self.epoch = epoch
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler whose position is (epoch, batches done), so a resumed epoch continues exactly.
+
+    A run that stops after b batches of epoch e resumes with set_epoch(e, batches_done=b): the same
+    shuffle as before (it depends on seed and epoch only), minus this rank's first b batches, which are
+    skipped as indices and so never loaded. Starting the epoch over instead would train twice on those
+    batches and change the weights. The next set_epoch(e + 1) starts the following epoch at its first batch.
+    """
+
+    def __init__(self, dataset, batch_size: int, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.batch_size, self.batches_done = batch_size, 0
+
+    def set_epoch(self, epoch: int, batches_done: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.batches_done = batches_done
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches in a whole epoch on this rank, the skipped ones included."""
+        return math.ceil(self.num_samples / self.batch_size)
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.batches_done * self.batch_size, None)
+
+    def __len__(self) -> int:
+        return max(super().__len__() - self.batches_done * self.batch_size, 0)

@@ -5,6 +5,7 @@ variables torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MA
 OMP_NUM_THREADS=1), so code that reads them, such as Accelerate, sees an ordinary launch.
 """
 import os
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -36,6 +37,14 @@ def run_in_process_group(worker, world_size: int, *args, timeout: float = 300):
     An exception in any rank is raised here with that rank's traceback; a run that outlasts timeout
     seconds is killed and raises TimeoutError.
     """
+    main = sys.modules["__main__"]
+    if worker.__module__ == "__main__" and not hasattr(main, "__file__"):
+        # a new process imports the worker by module and name; it can re-run a script's __main__ from
+        # its file, but a notebook's or an interactive session's __main__ has none
+        raise ValueError(f"{worker.__name__} is defined in a notebook (or an interactive session), and the "
+                         f"processes run_in_process_group spawns cannot import it (in their stderr: Can't get "
+                         f"attribute '{worker.__name__}' on <module '__main__'>): define it in a module and "
+                         "import it from there, as common/notebook_workers.py does.")
     with tempfile.TemporaryDirectory() as folder:
         result_path = Path(folder) / "rank0.pt"
         context = mp.start_processes(_entry, args=(worker, world_size, free_port(), str(result_path), args),

@@ -18,3 +18,15 @@ CPUS_FLAG=${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}
 export HEAD_NODE MASTER_PORT PYTHON CPUS_PER_TASK CPUS_FLAG
 # The threads each of N processes gets when they share one task's CPUs (torchrun's default is 1).
 share_cpus() { local n=$(( CPUS_PER_TASK / $1 )); echo $(( n > 1 ? n : 1 )); }
+# torchrun on every node of the job (srun starts one per node), meeting at a c10d rendezvous on the first.
+# --max-restarts: a worker that dies takes the others down, and all restart, MAX_RESTARTS times (0 by
+# default: a script without checkpoints would start over; requeue.sbatch sets 3), and a script with
+# checkpoints resumes where it was. Restarted workers must not share torchrun's
+# rendezvous store, where their dead predecessors' addresses linger (pytorch#135712; see README.md).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+run_torchrun() {
+    srun --ntasks-per-node=1 $CPUS_FLAG "$PYTHON" -m torch.distributed.run \
+        --nnodes="$SLURM_NNODES" --nproc_per_node="$NPROC_PER_NODE" --max-restarts="${MAX_RESTARTS:-0}" \
+        --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$MASTER_PORT" \
+        "$@"
+}

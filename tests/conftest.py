@@ -21,13 +21,18 @@ def tiny_mnist(tmp_path_factory) -> Path:
     return write_tiny_mnist(tmp_path_factory.mktemp("mnist"), train_size=192, test_size=TEST_IMAGES)
 
 
+def offline_env(extra=None) -> dict:
+    """This process's environment, offline: any download attempt fails at once instead of reaching
+    (or waiting on) the network."""
+    return {**os.environ, **(extra or {}), "PYTHONUNBUFFERED": "1",
+            "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+            "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 def run_as_user(*args, cwd=ROOT, timeout=180, env_extra=None):
     """Run a command as a user would, from the repository root, offline, with a time limit."""
-    env = {**os.environ, **(env_extra or {}), "PYTHONUNBUFFERED": "1",
-           # any download attempt fails at once instead of reaching (or waiting on) the network
-           "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
-           "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = offline_env(env_extra)
     try:
         return subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)

@@ -90,6 +90,17 @@ def test_nli_speed_needs_steps_after_warmup(run_command, tiny_bert):
     assert result.returncode == 2 and "--steps must be at least --warmup + 2 = 5" in result.stderr
 
 
+def test_checkpoint_cost(run_command, tmp_path):
+    plot = tmp_path / "checkpoint.png"
+    result = run_command(PYTHON, "benchmarks/checkpoint_cost.py", "--models", "basicnet", "--repeats", "1",
+                         "--dir", tmp_path, "--plot", plot)
+    assert_table_and_plot(result, plot)
+    row = table_rows(result.stdout, "BasicNet")["BasicNet"]
+    assert row[0] == "1.2 M" and row[4] == "200"  # BasicNet, at mnist_3_ddp_resume.py's default interval
+    assert 13 < float(row[1]) < 15  # 1.2 M fp32 weights and AdamW's two moments: 3 x 4.8 MB, plus a little
+    assert list(tmp_path.iterdir()) == [plot]  # the temporary checkpoints are gone
+
+
 def test_sharded_memory_matches_the_zero_formula(run_command, tiny_bert, tmp_path):
     """Each rank's optimizer state is the formula's 8Ψ/N (ZeRO-1/2/3, FSDP2) or 8Ψ (DDP), within 5%;
     gradients shrink from ZeRO-2 on and parameters from ZeRO-3 on."""

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from common.samplers import DistributedEvalSampler
+from common.samplers import DistributedEvalSampler, ResumableDistributedSampler
 
 
 def indices_over_ranks(sampler_class, size, world_size, **kwargs):
@@ -56,3 +56,32 @@ def test_rank_outside_world_is_rejected():
 def test_unshuffled_eval_keeps_dataset_order_within_a_rank():
     sampler = DistributedEvalSampler(torch.arange(10), num_replicas=3, rank=0)
     assert list(sampler) == [0, 3, 6, 9]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_resumed_epoch_continues_the_same_shuffle(world_size):
+    """At every cut point of several epochs, the indices before the cut plus those after resuming there
+    (a new sampler, as in a restarted process) are exactly the uninterrupted epoch's, on every rank."""
+    dataset, batch_size = range(23), 4  # 12 or 8 indices per rank: a last batch that is not full
+
+    def epoch_indices(rank, epoch, batches_done=0):
+        sampler = ResumableDistributedSampler(dataset, batch_size, num_replicas=world_size, rank=rank, seed=7)
+        sampler.set_epoch(epoch, batches_done)
+        indices = list(sampler)
+        assert len(indices) == len(sampler)
+        return indices
+
+    def torch_epoch(rank, epoch):
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=7)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    for rank in range(world_size):
+        for epoch in range(3):
+            whole = epoch_indices(rank, epoch)
+            assert whole == torch_epoch(rank, epoch)  # uninterrupted, it is DistributedSampler
+            batches = ResumableDistributedSampler(dataset, batch_size, num_replicas=world_size, rank=rank).batches_per_epoch
+            assert batches == -(-len(whole) // batch_size)
+            for cut in range(batches + 1):
+                assert whole[:cut * batch_size] + epoch_indices(rank, epoch, cut) == whole
+        assert epoch_indices(rank, 0) != epoch_indices(rank, 1)  # the epochs do differ

@@ -93,3 +93,69 @@ def test_job_script_outside_an_allocation_says_how_to_submit():
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert "run this inside a SLURM allocation" in result.stderr
+
+
+# tests/crash.py runs the script unchanged, 0.3 s slower per step until the requeue: a window to interrupt it
+RESUME = ["tests/crash.py", "slow-first-run", "src/ch4/mnist_3_ddp_resume.py", "--checkpoint-every", "4", "--batch-size", "32", "--epochs", "6",
+          "--precision", "fp32", "--dist-timeout", "120"]
+INTERRUPT = {  # how each job is stopped once it has trained an epoch
+    "uninterrupted": None,
+    "preempted (scontrol requeue)": lambda job: ["scontrol", "requeue", job],
+    "time limit near (USR1 to the batch shell)": lambda job: ["scancel", "--signal=USR1", "--batch", job],
+}
+
+
+def job_state(job, env) -> str:
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+    return " ".join(field for field in shown.split() if field.startswith(("JobState=", "Reason=")))
+
+
+@pytest.fixture(scope="module")
+def requeued_jobs(cluster, tiny_mnist):
+    """Three 2-node jobs of slurm/requeue.sbatch at once. Two are interrupted after their first epoch; a
+    requeued job waits about 2 minutes (its BeginTime) before SLURM starts it again, which the test cuts
+    short with `scontrol update StartTime=now`. Returns each job's final state, output and checkpoint folder."""
+    folder, env = cluster
+    jobs = {}
+    for name in INTERRUPT:
+        checkpoints, output = folder / f"resume-{len(jobs)}", folder / f"resume-{len(jobs)}.out"
+        submitted = subprocess.run(["sbatch", "--parsable", "--time=5", f"--output={output}", "-N2", "--cpus-per-task=2",
+                                    "--export=ALL,NPROC_PER_NODE=1", "slurm/requeue.sbatch", *RESUME,
+                                    "--data-dir", str(tiny_mnist), "--checkpoint-dir", str(checkpoints)],
+                                   cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+        assert submitted.returncode == 0, submitted.stderr
+        jobs[name] = (submitted.stdout.strip().split(";")[0], output, checkpoints)
+    interrupted, released = set(), set()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        states = {name: job_state(job, env) for name, (job, _, _) in jobs.items()}
+        if all(state.startswith(("JobState=COMPLETED", "JobState=FAILED", "JobState=CANCELLED", "JobState=TIMEOUT"))
+               for state in states.values()):
+            break
+        for name, (job, output, _) in jobs.items():
+            text = output.read_text() if output.exists() else ""
+            if INTERRUPT[name] and name not in interrupted and "epoch 0:" in text:
+                subprocess.run(INTERRUPT[name](job), env=env, check=True, timeout=30)
+                interrupted.add(name)
+            if name in interrupted and name not in released and "Reason=BeginTime" in states[name]:
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True, timeout=30)
+                released.add(name)
+        time.sleep(1)
+    else:
+        subprocess.run(["scancel", *(job for job, _, _ in jobs.values())], env=env)
+    return {name: (job_state(job, env), output.read_text() if output.exists() else "", checkpoints)
+            for name, (job, output, checkpoints) in jobs.items()}
+
+
+@pytest.mark.parametrize("name", [name for name in INTERRUPT if INTERRUPT[name]])
+def test_requeued_job_resumes_and_ends_bitwise_equal(requeued_jobs, name):
+    from test_resume import bitwise_equal, final_state
+    state, output, checkpoints = requeued_jobs[name]
+    assert state.startswith("JobState=COMPLETED"), f"{name}: {state}\n{output[-4000:]}"
+    assert "stopped by SIGTERM at step" in output and "after saving a checkpoint" in output, output[-4000:]
+    assert "requeue: run 1 of job" in output and "resumed from" in output and f"over {TEST_IMAGES} images" in output
+    if "USR1" in name:
+        assert "USR1: time limit near: the workers save, then job" in output
+    reference_state, reference_output, reference = requeued_jobs["uninterrupted"]
+    assert reference_state.startswith("JobState=COMPLETED") and "resumed from" not in reference_output, reference_output
+    assert bitwise_equal(final_state(checkpoints), final_state(reference))

@@ -1,0 +1,181 @@
+"""Checkpoints a killed job can resume from exactly, and that a kill during the save cannot corrupt.
+
+The chapter script says what a checkpoint holds (weights, optimizer, scheduler, loss scaler, where the
+run was). This module does what is easy to get wrong:
+  - each rank's own random-number generators (torch CPU, CUDA, Python `random`) are gathered to rank 0
+    and given back to the same rank: the ranks draw different dropout masks, so restoring rank 0's
+    state everywhere would change the run;
+  - rank 0 writes a temporary file, flushes and fsyncs it, renames it into place and fsyncs the folder,
+    so a checkpoint file is either complete or absent; the last KEEP are kept, and only after the new
+    one is safely on disk is the oldest deleted;
+  - loading takes the newest checkpoint that torch.load(weights_only=True) accepts and says which,
+    skipping (with a warning) a corrupt file or a temporary one left by a kill during a save;
+  - a checkpoint written by another world size, or for another global batch, dataset or seed,
+    stops the run with one sentence instead of resuming into a different run.
+The folder must be one that every node sees (a shared filesystem): rank 0 picks the file, all ranks read it.
+"""
+import os
+import random
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common.distributed import rank
+
+KEEP = 2
+NAME = re.compile(r"step-(\d+)\.pt")
+
+
+@dataclass
+class Position:
+    """Where training is: the epoch, batches done within it, and optimizer steps since the start."""
+    epoch: int = 0
+    batches_done: int = 0
+    step: int = 0
+
+    def advance(self, batches_per_epoch: int) -> None:
+        """One optimizer step further; after an epoch's last batch, the position is the next epoch's start."""
+        self.step += 1
+        self.batches_done += 1
+        if self.batches_done == batches_per_epoch:
+            self.epoch, self.batches_done = self.epoch + 1, 0
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _gather_to_rank0(obj) -> list | None:
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size() if rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def _broadcast_from_rank0(obj):
+    if not dist.is_initialized():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def write_atomically(obj, path: Path) -> None:
+    """torch.save to a temporary file, fsync, rename over path, fsync the folder: all of it or nothing."""
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        with open(temporary, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())
+    except BaseException:  # disk full, say: leave no half-written file behind
+        temporary.unlink(missing_ok=True)
+        raise
+    os.replace(temporary, path)  # atomic on POSIX: a reader sees the old name list or the new one
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself survives a crash of the machine
+    finally:
+        os.close(folder)
+
+
+def checkpoints_in(folder: Path) -> list[Path]:
+    """Finished checkpoints in folder, newest (highest step) first."""
+    found = [path for path in folder.glob("step-*.pt") if NAME.fullmatch(path.name)]
+    return sorted(found, key=lambda path: int(NAME.fullmatch(path.name).group(1)), reverse=True)
+
+
+class Checkpoints:
+    """The checkpoints of one run in one folder, checked against what this run must share with them."""
+
+    def __init__(self, folder: str, every: int, fingerprint: dict, device: torch.device):
+        self.folder, self.every, self.device = Path(folder), every, device
+        self.fingerprint = fingerprint
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if rank() == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+
+    def due(self, position: Position) -> bool:
+        return position.step % self.every == 0
+
+    def save(self, position: Position, state: dict) -> None:
+        """Every rank calls this at the same step; rank 0 writes, then all wait until the file is in place."""
+        ranks = _gather_to_rank0(rng_state(self.device))
+        if rank() == 0:
+            path = self.folder / f"step-{position.step:08d}.pt"
+            write_atomically({**state, "position": asdict(position), "world_size": self.world_size,
+                              "device": self.device.type, "fingerprint": self.fingerprint, "rng": ranks}, path)
+            for old in checkpoints_in(self.folder)[KEEP:]:
+                old.unlink()
+        if dist.is_initialized():
+            dist.barrier()
+
+    def save_final(self, model_state: dict) -> Path:
+        """The trained weights alone, as DIR/final.pt: what a user loads for inference."""
+        path = self.folder / "final.pt"
+        if rank() == 0:
+            write_atomically(model_state, path)
+        return path
+
+    def load_newest(self) -> dict | None:
+        """The newest checkpoint that loads, with this rank's RNG state restored; None on a fresh start."""
+        state, name = self._newest_that_loads() if rank() == 0 else (None, None)
+        name = _broadcast_from_rank0(name)
+        if name is None:
+            return None
+        path = self.folder / name
+        if state is None:  # ranks other than 0 read the file rank 0 chose
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as error:  # missing on this node, or read while being replaced
+                sys.exit(f"error: rank {rank()} cannot read {path}, which rank 0 read ({type(error).__name__}); "
+                         "--checkpoint-dir must be on a filesystem that every node sees.")
+        self._check(state, path)
+        if state["device"] != self.device.type and rank() == 0:
+            print(f"warning: {path} was written on {state['device']} and this run is on {self.device.type}: "
+                  "it continues from there, with the random state of the CPU only, so not bitwise as it would "
+                  "have been", file=sys.stderr)
+        set_rng_state(state["rng"][rank()], self.device)
+        position = Position(**state["position"])
+        if rank() == 0:
+            print(f"resumed from {path}: epoch {position.epoch}, {position.batches_done} batches into it, "
+                  f"step {position.step}", flush=True)
+        return state
+
+    def _newest_that_loads(self) -> tuple[dict | None, str | None]:
+        for leftover in self.folder.glob("*.tmp"):
+            print(f"warning: ignoring {leftover}, left by a save that did not finish", file=sys.stderr)
+        for path in checkpoints_in(self.folder):
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True), path.name
+            except Exception as error:  # truncated, corrupt, or not a checkpoint: try the one before
+                print(f"warning: skipping {path}: it does not load ({type(error).__name__})", file=sys.stderr)
+        return None, None
+
+    def _check(self, state: dict, path: Path) -> None:
+        """Another run's checkpoint first (the folder may hold one), then another world size."""
+        different = {key: (state["fingerprint"].get(key), value) for key, value in self.fingerprint.items()
+                     if state["fingerprint"].get(key) != value}
+        if different:
+            listed = ", ".join(f"{key} {saved} there, {now} here" for key, (saved, now) in different.items())
+            sys.exit(f"error: {path} belongs to another run ({listed}); resume with the same settings, "
+                     f"or start afresh with another --checkpoint-dir.")
+        if state["world_size"] != self.world_size:
+            sys.exit(f"error: {path} was written by {state['world_size']} processes and this run has "
+                     f"{self.world_size}; each rank's data position and random state belong to its rank, so "
+                     f"resume with {state['world_size']} processes, or start afresh with another --checkpoint-dir.")

@@ -1,0 +1,42 @@
+"""Stop cleanly when the scheduler asks: save at a step every rank agrees on, then exit.
+
+SLURM sends SIGTERM before it kills a preempted or requeued job (and SIGUSR1 ahead of the time limit
+when the job asked for it with --signal); torchrun passes SIGTERM on to its workers. A handler that
+saved right away would save at whatever step each rank happened to be in, and the signal reaches the
+ranks at different moments. So the handler only sets a flag; at each step boundary one small
+all-reduce (MAX) tells every rank whether any rank got a signal, and all stop at that same step.
+"""
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from common.distributed import print0
+
+
+class StopSignal:
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
+        self.received = 0  # the signal this process got, 0 while none arrived
+        self.signum = 0  # the signal some rank got, once the ranks have agreed on it
+        for signum in signals:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank if any rank has received a signal. A collective: every rank calls it at each step."""
+        flag = torch.tensor([self.received], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.signum = int(flag.item())
+        return self.signum != 0
+
+    def exit(self, step: int) -> None:
+        """End the process as the signal would have, 128 + its number, after a clean teardown."""
+        print0(f"stopped by {signal.Signals(self.signum).name} at step {step}, after saving a checkpoint; "
+               "the same command resumes from it", flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(128 + self.signum)

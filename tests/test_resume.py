@@ -1,0 +1,111 @@
+"""A killed run that comes back ends bitwise equal to one that was never killed.
+
+Every run trains the tiny MNIST for 2 epochs on 2 gloo processes (6 steps per epoch, a checkpoint
+every 4), under torchrun with --max-restarts=1; tests/crash.py SIGKILLs a worker at a chosen point of
+the first attempt only, torchrun restarts both workers, and they resume from the newest checkpoint.
+Equal means torch.equal on every tensor of the final weights and of the final optimizer state. The
+negative controls break one part of the resume (random state, data position) and must differ.
+"""
+import shutil
+
+import pytest
+import torch
+
+from conftest import ROOT, TORCHRUN, assert_ran, run_as_user
+
+CRASH = ROOT / "tests" / "crash.py"
+CH4 = ROOT / "src" / "ch4"
+# the fix for torchrun restarts (see common.distributed.stale_store_hint), as the README says to launch
+RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def run(folder, data, what="none", processes=2, *flags, restarts=1, script="mnist_3_ddp_resume.py"):
+    """2 epochs of 6 steps (MNIST: global batch 32; 3 processes: 24), a checkpoint every 4 steps."""
+    data_flags = ["--data-dir", data, "--batch-size", "24" if processes == 3 else "32"] if script.startswith("mnist") \
+        else ["--model", data[0], "--dataset", data[1], "--batch-size", "12"]
+    return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", f"--max-restarts={restarts}", CRASH, what,
+                       CH4 / script, *data_flags, "--checkpoint-dir", folder, "--checkpoint-every", "4", "--epochs", "2",
+                       "--precision", "fp32", "--dist-timeout", "60", *flags, env_extra=RESTARTABLE, timeout=240)
+
+
+def final_state(folder):
+    newest = max(folder.glob("step-*.pt"))
+    checkpoint = torch.load(newest, weights_only=True)
+    weights = torch.load(folder / "final.pt", weights_only=True)
+    optimizer = [tensor for state in checkpoint["optimizer"]["state"].values() for tensor in state.values()]
+    return [*weights.values(), *checkpoint["model"].values(), *optimizer]
+
+
+def bitwise_equal(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_mnist, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    assert_ran(run(folder, tiny_mnist), "over 101 images", f"final weights in {folder / 'final.pt'}")
+    return folder
+
+
+@pytest.mark.parametrize("what, resumed_at", [
+    ("kill-rank1-after-step10", "step-00000008.pt: epoch 1, 2 batches into it, step 8"),  # mid-epoch, no warning
+    ("kill-rank0-in-save2", "step-00000004.pt: epoch 0, 4 batches into it, step 4"),  # the step-8 file never lands
+    ("term-rank0-after-step6", "step-00000006.pt: epoch 1, 0 batches into it, step 6"),  # rank 1 got no signal
+])
+def test_killed_run_resumes_bitwise(uninterrupted, tiny_mnist, tmp_path, what, resumed_at):
+    result = run(tmp_path, tiny_mnist, what)
+    assert_ran(result, f"resumed from {tmp_path}/{resumed_at}", "over 101 images")
+    if "in-save" in what:
+        assert "ignoring" in result.stderr and "step-00000008.pt.tmp, left by a save that did not finish" in result.stderr
+    if "term" in what:  # both ranks stopped at the step after the signal, saved, and exited as if killed by it
+        assert "stopped by SIGTERM at step 6, after saving a checkpoint" in result.stdout
+        assert "failed (exitcode: 143)" in result.stderr  # torchrun counts that as a failure, and restarts them
+    assert bitwise_equal(final_state(tmp_path), final_state(uninterrupted))
+    assert sorted(path.name for path in tmp_path.glob("step-*.pt")) == ["step-00000008.pt", "step-00000012.pt"]
+
+
+@pytest.mark.parametrize("broken", ["forget-rng", "replay-epoch"])
+def test_resume_without_random_state_or_data_position_differs(uninterrupted, tiny_mnist, tmp_path, broken):
+    """Negative controls: the test above can fail. Without the random state the resumed ranks draw other
+    dropout masks; replaying the epoch from its start trains twice on two batches."""
+    assert_ran(run(tmp_path, tiny_mnist, f"kill-rank1-after-step10,{broken}"), "resumed from")
+    assert not bitwise_equal(final_state(tmp_path), final_state(uninterrupted))
+
+
+def test_truncated_checkpoint_falls_back_to_the_one_before(uninterrupted, tiny_mnist, tmp_path):
+    """A finished run's newest checkpoint is cut short: the rerun resumes from the one before, redoes
+    the last 4 steps, and still ends where the uninterrupted run ended."""
+    folder = shutil.copytree(uninterrupted, tmp_path / "copy")
+    newest = folder / "step-00000012.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    result = run(folder, tiny_mnist)
+    assert_ran(result, f"resumed from {folder}/step-00000008.pt")
+    assert f"skipping {newest}: it does not load" in result.stderr
+    assert bitwise_equal(final_state(folder), final_state(uninterrupted))
+
+
+@pytest.mark.parametrize("processes, flags, phrase", [
+    (3, [], "was written by 2 processes and this run has 3; each rank's data position and random state"),
+    (2, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),
+    (3, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),  # the run first, then the processes
+])
+def test_checkpoint_of_another_run_is_refused(uninterrupted, tiny_mnist, tmp_path, processes, flags, phrase):
+    folder = shutil.copytree(uninterrupted, tmp_path / "copy")
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    result = run(folder, tiny_mnist, "none", processes, *flags, restarts=0)
+    assert result.returncode != 0 and phrase in result.stderr, result.stderr[-3000:]
+    assert "start afresh with another --checkpoint-dir" in result.stderr
+    assert "]: Traceback" not in result.stderr, result.stderr[-3000:]  # torchrun's own summary aside, no worker traceback
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # nothing lost
+
+
+def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path):
+    """The tiny BERT: dropout in every layer and a linear schedule; 2 epochs of 10 steps, killed after 14."""
+    data = (tiny_bert, nli_pairs)
+    uninterrupted, killed = tmp_path / "uninterrupted", tmp_path / "killed"
+    assert_ran(run(uninterrupted, data, script="ddp_resume.py"), "over 13 pairs")
+    result = run(killed, data, "kill-rank1-after-step14", script="ddp_resume.py")
+    assert_ran(result, f"resumed from {killed}/step-00000012.pt: epoch 1, 2 batches into it, step 12", "over 13 pairs")
+    assert bitwise_equal(final_state(killed), final_state(uninterrupted))
+    schedule = torch.load(killed / "step-00000020.pt", weights_only=True)["scheduler"]
+    assert schedule["last_epoch"] == 20 and schedule["_last_lr"] == [0.0]  # the decay went on from step 12, to its end
