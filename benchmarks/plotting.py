@@ -15,3 +15,42 @@ def bar_chart(values: dict[str, float], annotations: list[str], xlabel: str, tit
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"saved {path}")
+
+
+def stacked_memory_chart(rows, runs: list[str], title: str, path: str) -> None:
+    """Bytes per rank as stacked bars (parameters, gradients, optimizer state), one group per world size,
+    with the formula's total as a line over each bar and the measured peak as a dot.
+
+    rows: (world size, run, measured dict with params/grads/optimizer/peak_mb, formula (params, grads, optimizer))
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    world_sizes = sorted({row[0] for row in rows})
+    fig, ax = plt.subplots(figsize=(max(8, 1.9 * len(world_sizes) * len(runs) / 4), 5))
+    width, gap = 0.8, 1.0
+    ticks, labels = [], []
+    for group, world_size in enumerate(world_sizes):
+        for index, run in enumerate(runs):
+            measured, formula = next((m, f) for n, r, m, f in rows if n == world_size and r == run)
+            x = group * (len(runs) + gap) + index
+            bottom = 0.0
+            for key, color, name in (("params", "#1f77b4", "parameters"), ("grads", "#ff7f0e", "gradients"),
+                                     ("optimizer", "#2ca02c", "optimizer state")):
+                ax.bar(x, measured[key] / 2**20, width, bottom=bottom, color=color,
+                       label=name if (group, index) == (0, 0) else None)
+                bottom += measured[key] / 2**20
+            ax.hlines(sum(formula) / 2**20, x - width / 2, x + width / 2, colors="black",
+                      label="formula (4Ψ + 4Ψ + 8Ψ, sharded terms / N)" if (group, index) == (0, 0) else None)
+            if measured["peak_mb"] is not None:
+                ax.plot(x, measured["peak_mb"], "o", color="#d62728", markersize=4,
+                        label="peak above start (RSS)" if (group, index) == (0, 0) else None)
+            ticks.append(x)
+            labels.append(f"{run}\nN={world_size}")
+    ax.set_xticks(ticks, labels, fontsize=7)
+    ax.set_ylabel("MB per rank (lower is better)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"saved {path}")

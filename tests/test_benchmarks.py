@@ -5,7 +5,9 @@ breaks them fails here, not in a user's `make demo`. Where a column says what a 
 (all-reduces per step, whether a hand-written all-reduce summed exactly), the numbers are checked,
 so that each row is the thing it names. The figures themselves are not checked.
 """
-from conftest import PYTHON, assert_clear_error
+import pytest
+
+from conftest import PYTHON, ROOT, assert_clear_error
 
 
 def assert_table_and_plot(result, plot, *rows):
@@ -97,3 +99,35 @@ def test_checkpoint_cost(run_command, tmp_path):
     assert row[0] == "1.2 M" and row[4] == "200"  # BasicNet, at mnist_3_ddp_resume.py's default interval
     assert 13 < float(row[1]) < 15  # 1.2 M fp32 weights and AdamW's two moments: 3 x 4.8 MB, plus a little
     assert list(tmp_path.iterdir()) == [plot]  # the temporary checkpoints are gone
+
+
+def test_sharded_memory_matches_the_zero_formula(run_command, tiny_bert, tmp_path):
+    """Each rank's optimizer state is the formula's 8Ψ/N (ZeRO-1/2/3, FSDP2) or 8Ψ (DDP), within 5%;
+    gradients shrink from ZeRO-2 on and parameters from ZeRO-3 on."""
+    plot = tmp_path / "memory.png"
+    result = run_command(PYTHON, "benchmarks/sharded_memory.py", "--model", tiny_bert, "--world-sizes", "2",
+                         "--steps", "2", "--batch", "2", "--length", "8", "--plot", plot, timeout=240)
+    assert_table_and_plot(result, plot)
+    rows = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| 2 |")]
+    runs = {cells[1].strip(): [cell.strip() for cell in cells[2:]] for cells in rows}  # run: its cells after the name
+    assert list(runs) == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2"], result.stdout
+    measured = {run: [float(cell.split(" (")[0]) for cell in cells[:3]] for run, cells in runs.items()}
+    for run, cells in runs.items():
+        assert 0.95 <= float(cells[3]) <= 1.05, (run, result.stdout)
+    assert measured["ZeRO-1"][2] < 0.55 * measured["DDP"][2]
+    assert measured["ZeRO-2"][1] < 0.55 * measured["ZeRO-1"][1]
+    assert measured["ZeRO-3"][0] < 0.55 * measured["ZeRO-2"][0]
+
+
+def test_zero_stages_figure_is_the_committed_one(run_command, tmp_path):
+    """The figure in images/ is what the script draws (byte-stable SVG), so the two cannot drift apart."""
+    import re
+
+    import matplotlib
+    committed = (ROOT / "images" / "zero_stages.svg").read_text()
+    drawn_with = re.search(r"Matplotlib v([\w.]+)", committed).group(1)
+    if drawn_with != matplotlib.__version__:
+        pytest.skip(f"images/zero_stages.svg was drawn with matplotlib {drawn_with}, this is {matplotlib.__version__}")
+    result = run_command(PYTHON, "benchmarks/zero_stages_figure.py", "--out-dir", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "zero_stages.svg").read_text() == committed

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from conftest import ACCELERATE, GPU_DEVICES, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran
+from conftest import ACCELERATE, EVAL_PAIRS, GPU_DEVICES, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran
 
 CH4 = ROOT / "src" / "ch4"
 
@@ -67,3 +67,19 @@ def test_bert_ddp_on_gpu(run_command, tiny_bert, nli_pairs):
     result = run_command(*TORCHRUN, "--nproc_per_node=1", CH4 / "ddp.py", "--model", tiny_bert, "--dataset", nli_pairs,
                          "--max-steps", "3", env_extra=ON_GPU)
     assert_ran(result, "1 processes on cuda", "pairs")
+
+
+def test_fsdp_scripts_on_gpu_nccl(run_command, tiny_mnist, tiny_bert, nli_pairs):
+    result = run_command(*TORCHRUN, "--nproc_per_node=1", CH4 / "mnist_fsdp.py", "--data-dir", tiny_mnist,
+                         env_extra=ON_GPU)
+    assert_ran(result, "1 processes on cuda", f"over {TEST_IMAGES} images")
+    result = run_command(*TORCHRUN, "--nproc_per_node=1", CH4 / "nli_fsdp.py", "--model", tiny_bert, "--dataset",
+                         nli_pairs, "--max-steps", "3", env_extra=ON_GPU)
+    assert_ran(result, "1 processes on cuda", f"over {EVAL_PAIRS} pairs")
+
+
+def test_accelerate_fsdp2_config_on_one_gpu(run_command, tiny_bert, nli_pairs):
+    result = run_command(*ACCELERATE, "--config_file", CH4 / "accelerate_configs" / "fsdp2_gpus.yaml",
+                         "--num_processes", "1", CH4 / "nli_accelerate.py", "--model", tiny_bert, "--dataset", nli_pairs,
+                         "--max-steps", "3", env_extra=ON_GPU)
+    assert_ran(result, "1 processes on cuda", f"over {EVAL_PAIRS} pairs")

@@ -1,0 +1,77 @@
+"""Draw what each of 4 ranks holds under DDP and ZeRO stages 1-3, and which collective moves what.
+
+Each rank holds three bars: parameters (4Ψ bytes in fp32), gradients (4Ψ) and AdamW's optimizer state
+(8Ψ), drawn to scale and cut into 4 shards. A filled shard is held by that rank, an empty one is not.
+The SVG is byte-stable (fixed hash salt, no date), so tests/test_benchmarks.py redraws it and compares.
+
+    python benchmarks/zero_stages_figure.py      # writes images/zero_stages.svg and images/zero_stages.png
+"""
+import argparse
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RANKS = 4
+TERMS = [("parameters 4Ψ", 4, "#1f77b4"), ("gradients 4Ψ", 4, "#ff7f0e"), ("optimizer state 8Ψ", 8, "#2ca02c")]
+ROWS = [  # name, how many of the three terms are sharded, per-rank bytes, what moves in one step
+    ("DDP", 0, "16Ψ", "all-reduce the gradients (in buckets, during backward)\nsent per rank: 2(N−1)/N · 4Ψ"),
+    ("ZeRO-1", 1, "8Ψ + 8Ψ/N", "reduce-scatter the gradients: rank r gets the average of shard r\n"
+                               "step AdamW on shard r; all-gather the parameters\nsent per rank: 2(N−1)/N · 4Ψ, as DDP"),
+    ("ZeRO-2", 2, "4Ψ + 12Ψ/N", "reduce-scatter each layer's gradient as backward produces it,\n"
+                                "then free it; step shard r; all-gather the parameters\nsent per rank: 2(N−1)/N · 4Ψ, as DDP"),
+    ("ZeRO-3\n(FSDP)", 3, "16Ψ/N", "all-gather each layer's parameters before its forward and again\n"
+                                   "before its backward, free them after; reduce-scatter gradients\n"
+                                   "sent per rank: 3(N−1)/N · 4Ψ, 1.5× DDP"),
+]
+
+
+def draw(svg_path: Path, png_path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+    matplotlib.rcParams["svg.hashsalt"] = "zero-stages"  # stable element ids
+    matplotlib.rcParams["svg.fonttype"] = "none"  # text as text, not glyph paths
+    fig, ax = plt.subplots(figsize=(13, 7.2))
+    ax.set_xlim(0, 28.5)
+    ax.set_ylim(-0.9, len(ROWS) * 2.2 + 0.4)
+    ax.axis("off")
+    scale, bar_h = 0.1125, 0.36  # drawing units per Ψ-byte, bar height
+    for row, (name, sharded, total, moves) in enumerate(ROWS):
+        top = (len(ROWS) - row) * 2.2
+        ax.text(0.1, top - 0.8, name, fontsize=12, fontweight="bold", va="center")
+        ax.text(0.1, top - 1.5, f"{total}\nper rank", fontsize=9, va="center")
+        for rank in range(RANKS):
+            left = 2.6 + rank * 4.1
+            if row == 0:
+                ax.text(left + 1.75, top + 0.15, f"rank {rank}", fontsize=10, ha="center")
+            for term, (label, size, color) in enumerate(TERMS):
+                y = top - 0.45 - term * (bar_h + 0.14)
+                shard_w = size * scale
+                for shard in range(RANKS):
+                    held = term < 3 - sharded or shard == rank  # the last `sharded` terms are cut over ranks
+                    ax.add_patch(Rectangle((left + shard * shard_w, y), shard_w, bar_h, linewidth=0.6,
+                                           edgecolor=color, facecolor=color if held else "white"))
+        ax.text(19.2, top - 0.8, moves, fontsize=8.5, va="center", linespacing=1.5)
+    for term, (label, _, color) in enumerate(TERMS):
+        ax.add_patch(Rectangle((2.3 + term * 4.6, -0.75), 0.5, 0.3, facecolor=color, edgecolor=color))
+        ax.text(2.9 + term * 4.6, -0.6, label, fontsize=9, va="center")
+    ax.add_patch(Rectangle((16.1, -0.75), 0.5, 0.3, facecolor="white", edgecolor="black", linewidth=0.6))
+    ax.text(16.7, -0.6, "a shard this rank does not hold    Ψ parameters, fp32 AdamW, N = 4 ranks",
+            fontsize=9, va="center")
+    ax.set_title("What each rank holds, and what moves in one training step", fontsize=13)
+    fig.tight_layout()
+    fig.savefig(svg_path, metadata={"Date": None})
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    print(f"saved {svg_path} and {png_path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default=ROOT / "images", type=Path)
+    args = parser.parse_args()
+    draw(args.out_dir / "zero_stages.svg", args.out_dir / "zero_stages.png")
+
+
+if __name__ == "__main__":
+    main()

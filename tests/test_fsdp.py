@@ -1,0 +1,94 @@
+"""The FSDP2 chapter scripts, launched as users launch them, shard the model and still train and evaluate exactly.
+
+tests/instrument.py records each rank's piece of every parameter and gradient (FSDP2 holds DTensors);
+put back together in rank order along the first dimension (how fully_shard cuts them), they give:
+  - a model whose every rank held only about 1/N of it;
+  - a first step that used the gradient of one process on the whole global batch (the reduce-scatter
+    averages, as DDP's all-reduce does);
+  - final weights whose accuracy, computed by one process on the whole test set, is the one printed,
+    over exactly the test set, although evaluation ran through the sharded model with repeats.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.mnist import BasicNet, load_mnist
+from conftest import EVAL_PAIRS, TEST_IMAGES, TORCHRUN
+from test_lessons import basic_net, instrumented, printed_correct
+
+WORLD_SIZE = 3  # 101 test images and 13 pairs divide by neither 2 nor 3: ranks get repeats
+
+
+def assembled(ranks, key):
+    """Each parameter in full: the ranks' pieces concatenated along dim 0, in rank order."""
+    return [torch.cat(pieces) for pieces in zip(*(rank[key] for rank in ranks))]
+
+
+@pytest.fixture(scope="module")
+def mnist_fsdp(tiny_mnist, tmp_path_factory):
+    stdout, ranks = instrumented(TORCHRUN + [f"--nproc_per_node={WORLD_SIZE}"], "mnist_fsdp.py",
+                                 tmp_path_factory.mktemp("mnist-fsdp"), "--data-dir", tiny_mnist, "--epochs", "1",
+                                 "--batch-size", "48", "--dist-timeout", "60")
+    assert len(ranks) == WORLD_SIZE and f"global batch 48 = {WORLD_SIZE} x 16" in stdout
+    return stdout, ranks
+
+
+def test_each_rank_holds_a_third_of_the_model(mnist_fsdp):
+    _, ranks = mnist_fsdp
+    torch.manual_seed(0)  # what rank 0 (seed 0 + rank 0) builds, and DDP would broadcast
+    assert all(torch.equal(a, b) for a, b in zip(assembled(ranks, "initial"), BasicNet().parameters()))
+    full = assembled(ranks, "final")
+    assert [p.shape for p in full] == [p.shape for p in basic_net(full).parameters()]
+    for index, rank in enumerate(ranks):  # rank r holds chunk r of each parameter's rows, nothing more
+        assert [piece.shape for piece in rank["final"]] == [p.chunk(WORLD_SIZE)[index].shape for p in full]
+        assert sum(piece.numel() for piece in rank["final"]) < 0.34 * sum(p.numel() for p in full)
+
+
+def test_first_step_is_one_process_on_the_global_batch(mnist_fsdp, tiny_mnist):
+    _, ranks = mnist_fsdp
+    batch = [index for rank in ranks for index in rank["indices"][0][:16]]  # each rank's first batch
+    train_set, _ = load_mnist(str(tiny_mnist))
+
+    def gradients(indices):  # one process, no dropout, as in the instrumented training
+        model = basic_net(assembled(ranks, "initial")).eval()
+        F.nll_loss(model(train_set.images[indices]), train_set.labels[indices]).backward()
+        return [p.grad for p in model.parameters()]
+
+    def close(a, b):
+        return all(torch.allclose(x, y, rtol=1e-3, atol=1e-4) for x, y in zip(a, b, strict=True))
+    assert close(assembled(ranks, "grads"), gradients(batch))
+    assert not close(assembled(ranks, "grads"), gradients(batch[:16]))  # the check can fail: rank 0's batch alone
+
+
+def test_accuracy_counts_what_one_process_counts(mnist_fsdp, tiny_mnist):
+    stdout, ranks = mnist_fsdp
+    assert stdout.count("test accuracy") == 1
+    _, test_set = load_mnist(str(tiny_mnist))
+    model = basic_net(assembled(ranks, "final")).eval()
+    with torch.no_grad():
+        correct = (model(test_set.images).argmax(dim=1) == test_set.labels).sum().item()
+    assert printed_correct(stdout, TEST_IMAGES, "images") == correct
+
+
+def test_bert_fsdp_accuracy(tiny_bert, nli_pairs, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from common.nli import load_pairs, make_loader, tokenize_pairs
+    stdout, ranks = instrumented(TORCHRUN + ["--nproc_per_node=2"], "nli_fsdp.py", tmp_path, "--model", tiny_bert,
+                                 "--dataset", nli_pairs, "--max-steps", "4", "--batch-size", "12", "--dist-timeout", "60",
+                                 timeout=300)
+    assert "global batch 12 = 2 x 6" in stdout and stdout.count("eval accuracy") == 1
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=3).eval()
+    full = assembled(ranks, "final")
+    assert sum(piece.numel() for piece in ranks[1]["final"]) < 0.6 * sum(p.numel() for p in full)
+    with torch.no_grad():
+        for param, value in zip(model.parameters(), full, strict=True):
+            param.copy_(value)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
+    _, eval_pairs = load_pairs(str(nli_pairs), "split", None, None)
+    correct = 0
+    with torch.no_grad():
+        for batch in make_loader(tokenize_pairs(eval_pairs, tokenizer, 128), tokenizer, 64, None):
+            labels = batch.pop("labels")
+            correct += (model(**batch).logits.argmax(dim=-1) == labels).sum().item()
+    assert printed_correct(stdout, EVAL_PAIRS, "pairs") == correct
