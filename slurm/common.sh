@@ -22,7 +22,7 @@ share_cpus() { local n=$(( CPUS_PER_TASK / $1 )); echo $(( n > 1 ? n : 1 )); }
 # --max-restarts: a worker that dies takes the others down, and all restart, MAX_RESTARTS times (0 by
 # default: a script without checkpoints would start over; requeue.sbatch sets 3), and a script with
 # checkpoints resumes where it was. Restarted workers must not share torchrun's
-# rendezvous store, where their dead predecessors' addresses linger (pytorch#135712; see README.md).
+# rendezvous store, where their dead predecessors' addresses linger (pytorch#135712; see docs/resume.md).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 run_torchrun() {
     srun --ntasks-per-node=1 $CPUS_FLAG "$PYTHON" -m torch.distributed.run \

@@ -96,14 +96,15 @@ def test_the_check_above_catches_a_silent_deletion():
     assert unexplained_deletions(("mnist_3_ddp.py", "mnist_4_accelerate.py"), deleted) == ["    model.eval()"]
 
 
-PATH = re.compile(r"(?<![\w/.-])((?:src|benchmarks|slurm|notebooks|images|tests|common|\.ci)/[\w./-]*\w)")
+PATH = re.compile(r"(?<![\w/.-])((?:src|benchmarks|slurm|notebooks|images|tests|common|docs|tools|\.ci)/[\w./-]*\w)")
 
 
 OPTIONAL = {"slurm/site_env.sh"}  # a site's own file, which the job scripts source only if present
 
 
 def documented_paths():
-    texts = [ROOT / "README.md", ROOT / "slurm" / "README.md", *sorted((ROOT / "src" / "ch4").glob("*.py")),
+    texts = [ROOT / "README.md", ROOT / "slurm" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "src" / "ch4").glob("*.py")),
              *sorted((ROOT / "benchmarks").glob("*.py")), *sorted((ROOT / "slurm").glob("*.s*"))]
     return sorted({(text.name, path) for text in texts for path in PATH.findall(text.read_text())
                    if path not in OPTIONAL})
@@ -116,3 +117,23 @@ def test_every_named_path_exists(where, path):
 
 def test_paths_are_found_in_docs():
     assert ("README.md", "src/ch4/mnist_3_ddp.py") in documented_paths()
+
+
+def markdown_links():
+    """Every relative link of the docs, with the file it must reach (resolved from the linking page)."""
+    pages = [ROOT / "README.md", ROOT / "slurm" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return sorted({(page.relative_to(ROOT).as_posix(), link) for page in pages
+                   for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text())
+                   if not link.startswith(("http:", "https:", "mailto:"))})
+
+
+@pytest.mark.parametrize("page, link", markdown_links())
+def test_every_link_of_the_docs_resolves(page, link):
+    assert (ROOT / page).parent.joinpath(link).exists(), f"{page} links {link}, which does not exist"
+
+
+def test_the_readme_is_a_map():
+    """Chapter prose lives in docs/: the README stays short enough to be read as the map it is."""
+    assert len((ROOT / "README.md").read_text().splitlines()) < 150
+    linked = set(re.findall(r"\]\((docs/[\w.]+\.md)\)", (ROOT / "README.md").read_text()))
+    assert linked == {f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md")}  # every page is on the map

@@ -16,7 +16,7 @@ from conftest import EVAL_PAIRS, ROOT, TEST_IMAGES, offline_env
 
 NOTEBOOKS = ROOT / "notebooks"
 # notebook_launcher forks the kernel; a kernel that already ran torch on 2 threads hung its children
-# (see README, "Traps"). A user's kernel usually has: so the test's kernel has too.
+# (see docs/traps.md). A user's kernel usually has: so the test's kernel has too.
 THREADED_KERNEL = "import torch\ntorch.set_num_threads(2)\ntorch.nn.functional.layer_norm(torch.randn(512, 64), (64,))\n"
 
 

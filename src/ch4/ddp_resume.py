@@ -12,7 +12,7 @@ checkpoint; the trained weights go to DIR/final.pt.
 Run from the repository root; a rerun of the same command resumes from the newest checkpoint:
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=4 --max-restarts=3 src/ch4/ddp_resume.py --checkpoint-dir checkpoints/bert
     sbatch -N2 --gpus-per-node=4 slurm/requeue.sbatch src/ch4/ddp_resume.py --checkpoint-dir checkpoints/bert
-(Why the variable: README.md, "Jobs that fail and come back".)
+(Why the variable: docs/resume.md.)
 
 Lines marked `# STEP` are what this step changes in ddp.py.
 """

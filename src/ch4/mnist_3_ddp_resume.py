@@ -18,7 +18,7 @@ mnist_3_ddp.py with checkpoints a restarted job resumes from, bit for bit. What 
 Run from the repository root; a rerun of the same command resumes from the newest checkpoint:
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 src/ch4/mnist_3_ddp_resume.py --checkpoint-dir checkpoints/mnist
 With --max-restarts torchrun restarts all workers when one dies, and they resume from the checkpoint;
-the variable gives each restart a fresh rendezvous store (README.md, "Jobs that fail and come back").
+the variable gives each restart a fresh rendezvous store (docs/resume.md).
 Under SLURM, a job that requeues itself before its time limit: sbatch -N2 slurm/requeue.sbatch
 src/ch4/mnist_3_ddp_resume.py --checkpoint-dir checkpoints/mnist (see slurm/README.md).
 
