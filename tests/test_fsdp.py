@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from common.mnist import BasicNet, load_mnist
 from conftest import EVAL_PAIRS, TEST_IMAGES, TORCHRUN
-from test_lessons import basic_net, instrumented, printed_correct
+from test_lessons import basic_net, bert_correct, instrumented, printed_correct
 
 WORLD_SIZE = 3  # 101 test images and 13 pairs divide by neither 2 nor 3: ranks get repeats
 
@@ -71,24 +71,10 @@ def test_accuracy_counts_what_one_process_counts(mnist_fsdp, tiny_mnist):
 
 
 def test_bert_fsdp_accuracy(tiny_bert, nli_pairs, tmp_path):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from common.nli import load_pairs, make_loader, tokenize_pairs
     stdout, ranks = instrumented(TORCHRUN + ["--nproc_per_node=2"], "nli_fsdp.py", tmp_path, "--model", tiny_bert,
                                  "--dataset", nli_pairs, "--max-steps", "4", "--batch-size", "12", "--dist-timeout", "60",
                                  timeout=300)
     assert "global batch 12 = 2 x 6" in stdout and stdout.count("eval accuracy") == 1
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=3).eval()
     full = assembled(ranks, "final")
     assert sum(piece.numel() for piece in ranks[1]["final"]) < 0.6 * sum(p.numel() for p in full)
-    with torch.no_grad():
-        for param, value in zip(model.parameters(), full, strict=True):
-            param.copy_(value)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
-    _, eval_pairs = load_pairs(str(nli_pairs), "split", None, None)
-    correct = 0
-    with torch.no_grad():
-        for batch in make_loader(tokenize_pairs(eval_pairs, tokenizer, 128), tokenizer, 64, None):
-            labels = batch.pop("labels")
-            correct += (model(**batch).logits.argmax(dim=-1) == labels).sum().item()
-    assert printed_correct(stdout, EVAL_PAIRS, "pairs") == correct
+    assert printed_correct(stdout, EVAL_PAIRS, "pairs") == bert_correct(tiny_bert, nli_pairs, full)

@@ -113,17 +113,22 @@ def test_each_epoch_deals_new_disjoint_shares(mnist_runs, name):
 @pytest.mark.parametrize("launcher, script", [(TORCHRUN + ["--nproc_per_node=3"], "ddp.py"),
                                               (ACCELERATE + ["--config_file", CPU_CONFIG], "nli_accelerate.py")])
 def test_bert_accuracy_and_replicas(tiny_bert, nli_pairs, tmp_path, launcher, script):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from common.nli import load_pairs, make_loader, tokenize_pairs
     stdout, ranks = instrumented(launcher, script, tmp_path, "--model", tiny_bert, "--dataset", nli_pairs,
                                  "--max-steps", "4", "--batch-size", "12", "--dist-timeout", "60", timeout=300)
     assert f"global batch 12 = {len(ranks)} x {12 // len(ranks)}" in stdout and stdout.count("eval accuracy") == 1
     for other in ranks[1:]:
         assert all(torch.equal(a, b) for a, b in zip(ranks[0]["final"], other["final"]))
+    assert printed_correct(stdout, EVAL_PAIRS, "pairs") == bert_correct(tiny_bert, nli_pairs, ranks[0]["final"])
+
+
+def bert_correct(tiny_bert, nli_pairs, weights) -> int:
+    """Correct predictions of one process, with these weights, on the whole held-out split."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from common.nli import load_pairs, make_loader, tokenize_pairs
     model = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=3).eval()
     with torch.no_grad():
-        for param, value in zip(model.parameters(), ranks[0]["final"]):
+        for param, value in zip(model.parameters(), weights, strict=True):
             param.copy_(value)
     tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
     _, eval_pairs = load_pairs(str(nli_pairs), "split", None, None)
@@ -132,4 +137,4 @@ def test_bert_accuracy_and_replicas(tiny_bert, nli_pairs, tmp_path, launcher, sc
         for batch in make_loader(tokenize_pairs(eval_pairs, tokenizer, 128), tokenizer, 64, None):
             labels = batch.pop("labels")
             correct += (model(**batch).logits.argmax(dim=-1) == labels).sum().item()
-    assert printed_correct(stdout, EVAL_PAIRS, "pairs") == correct
+    return correct
