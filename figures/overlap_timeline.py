@@ -64,6 +64,7 @@ def timed_run(config, layers, width, batch, warmup) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     inputs = torch.randn(batch, width)
     timeline = {"ticks": [], "launch": {}, "finish": {}, "recording": False}
+    callbacks = []  # ours: the futures of the finish callbacks, which may run just after wait() returns
 
     def finished(index):
         def record(future):
@@ -78,7 +79,7 @@ def timed_run(config, layers, width, batch, warmup) -> dict:
         if isinstance(model, BucketedDataParallel) and len(model._in_flight) > len(timeline["launch"]):
             index, _, work = model._in_flight[-1]  # the bucket this gradient completed was just launched
             timeline["launch"][index] = timeline["ticks"][-1]
-            work.get_future().then(finished(index))
+            callbacks.append(work.get_future().then(finished(index)))
 
     def timed_all_reduce(state, bucket):
         if timeline["recording"]:
@@ -95,6 +96,7 @@ def timed_run(config, layers, width, batch, warmup) -> dict:
         timeline["recording"] = index == warmup
         dist.barrier()
         step(model, optimizer, inputs, marks)
+    torch.futures.wait_all(callbacks)
     timeline.pop("recording")
     return {**timeline, "marks": marks}
 
