@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine with Python >= 3.10:
 #   make demo   # creates .venv if missing, installs the project, runs the MNIST ladder (single, then DDP x2)
 #   make test   # creates .venv if missing, installs the project, runs the test suite
+#   make figures  # redraws every figure in images/ from the code and from real runs (figures/, a few minutes)
 # DATA_DIR=path/with/MNIST/raw uses a local copy of MNIST instead of downloading it into ./data.
 
 PYTHON ?= python3
@@ -8,7 +9,7 @@ VENV ?= .venv
 DATA_DIR ?= data
 BIN := $(VENV)/bin
 
-.PHONY: demo test benchmark
+.PHONY: demo test benchmark figures
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -26,3 +27,12 @@ test: $(VENV)/.installed
 
 benchmark: $(VENV)/.installed
 	$(BIN)/python benchmarks/mnist_speed.py --data-dir $(DATA_DIR) --plot images/mnist_speed_cpu.png
+
+# Schematics (SVG) are byte-stable: tests/test_figures.py redraws them and compares bytes.
+FIGURES := ring_allreduce allreduce_algorithms bucket_assignment accumulation_syncs dp_vs_ddp zero_stages overlap_timeline step_time_breakdown
+CPU_NAME := $(shell grep -m1 "model name" /proc/cpuinfo 2>/dev/null | cut -d: -f2)
+
+figures: $(VENV)/.installed
+	for figure in $(FIGURES); do $(BIN)/python figures/$$figure.py || exit 1; done
+	$(BIN)/python benchmarks/allreduce_speed.py --world-sizes 2 4 --plot images/allreduce_busbw.png \
+		--title "All-reduce bus bandwidth over gloo, one machine:$(CPU_NAME), $$(nproc) cores"

@@ -2,9 +2,13 @@
 
 For each world size it starts that many processes on this machine, times each algorithm (median of
 several runs, all ranks released together by a barrier) and prints a table with the algorithm
-bandwidth (bytes reduced / time) and the textbook bytes each rank sends. --plot saves a figure.
+bandwidth (bytes reduced / time) and the textbook bytes each rank sends. --plot saves a figure of
+the bus bandwidth, busbw = 2(N-1)/N * S / t: the rate at which the busiest link would carry a ring's
+bytes, so that one number compares world sizes (nccl-tests' convention). The cost model is overlaid:
+an algorithm that sends B bytes per rank where the ring sends 2(N-1)/N * S reaches the ring's busbw
+times 2(N-1)/N * S / B, anchored at the ring's measured busbw at the largest size.
 
-    python benchmarks/allreduce_speed.py --world-sizes 2 4 --plot images/allreduce_cpu.png
+    python benchmarks/allreduce_speed.py --world-sizes 2 4 --plot images/allreduce_busbw.png
 """
 import argparse
 import statistics
@@ -61,25 +65,43 @@ def table(rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
+def bus_bandwidth(size: int, seconds: float, world_size: int) -> float:
+    """Bytes per second each link carries in a ring all-reduce of size bytes that took seconds."""
+    return bytes_sent_per_rank("ring", size, world_size) / seconds
+
+
+def model_bus_bandwidth(rows: list[tuple], world_size: int) -> dict[str, float]:
+    """The cost model's busbw per algorithm: the ring's measured busbw at the largest size, scaled by
+    how many more bytes the algorithm sends than the ring (gloo's own all-reduce is a ring)."""
+    largest = max(r[1] for r in rows if r[0] == world_size)
+    ring = next(bus_bandwidth(s, t, w) for w, s, n, t, _ in rows if w == world_size and s == largest and n == "ring")
+    ratio = {name: bytes_sent_per_rank("ring", largest, world_size) / bytes_sent_per_rank(name, largest, world_size)
+             for name in ALGORITHMS}
+    return {name: ring * ratio.get(name, 1.0) for name in CONTENDERS}
+
+
 def plot(rows: list[tuple], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     world_sizes = sorted({r[0] for r in rows})
     sizes = sorted({r[1] for r in rows})
-    fig, axes = plt.subplots(1, len(world_sizes), figsize=(5 * len(world_sizes), 3.6), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(world_sizes), figsize=(5.5 * len(world_sizes), 4.2), sharey=True, squeeze=False)
     for ax, world_size in zip(axes[0], world_sizes):
-        for name in CONTENDERS:
-            points = [(s, s / t / 1e9) for w, s, n, t, _ in rows if w == world_size and n == name]
-            ax.plot(*zip(*points), marker="o", label=name)
+        model = model_bus_bandwidth(rows, world_size)
+        for index, name in enumerate(CONTENDERS):
+            color = f"C{index}"
+            points = [(s, bus_bandwidth(s, t, w) / 1e9) for w, s, n, t, _ in rows if w == world_size and n == name]
+            ax.plot(*zip(*points), marker="o", color=color, label=name)
+            ax.axhline(model[name] / 1e9, color=color, ls="--", lw=1, alpha=0.7)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [human(s) for s in sizes], rotation=45)
-        ax.set_title(f"{world_size} processes")
-        ax.set_xlabel("tensor size")
+        ax.set_title(f"{world_size} processes", fontsize=9)
+        ax.set_xlabel("tensor size S")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("algorithm bandwidth, GB/s")
-    axes[0][-1].legend(fontsize=8)
-    fig.suptitle(title)
+    axes[0][0].set_ylabel("bus bandwidth 2(N-1)/N·S/t, GB/s")
+    axes[0][-1].legend(fontsize=8, title="measured (dashed: cost model)", title_fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"saved {path}")
@@ -90,7 +112,7 @@ def main():
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--max-mb", type=float, default=64, help="largest tensor, in MB (default: 64)")
     parser.add_argument("--plot", help="also save a figure to this PNG")
-    parser.add_argument("--title", default="All-reduce over gloo", help="plot title, e.g. the machine's name")
+    parser.add_argument("--title", default="All-reduce bus bandwidth over gloo", help="plot title, e.g. the machine's name")
     args = parser.parse_args()
     sizes = [size for size in SIZES if size <= args.max_mb * 2**20]
     rows = [row for world_size in args.world_sizes

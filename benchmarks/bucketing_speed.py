@@ -13,11 +13,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.accumulation import count_all_reduces
-from common.bucketing import BucketedDataParallel
+from common.bucketing import BucketedDataParallel, linear_stack
 from common.spawn import run_in_process_group
 from plotting import bar_chart
 
@@ -25,13 +24,9 @@ CONFIGS = [("ours, one bucket after backward", None), ("ours, 1 MB buckets", 1),
            ("ours, 16 MB buckets", 16), ("ours, 25 MB buckets", 25), ("torch DDP, bucket_cap_mb=25", "ddp")]
 
 
-def mlp(layers: int, width: int) -> nn.Sequential:
-    return nn.Sequential(*[module for _ in range(layers) for module in (nn.Linear(width, width), nn.ReLU())])
-
-
 def worker(rank, world_size, bucket_cap_mb, layers, width, batch, steps):
     torch.manual_seed(0)
-    module = mlp(layers, width)
+    module = linear_stack(layers, width)
     model = DDP(module) if bucket_cap_mb == "ddp" else BucketedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
     ddp_counter = count_all_reduces(model) if bucket_cap_mb == "ddp" else None
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -57,12 +57,21 @@ def accelerate_accumulate(accelerator, model, optimizer, micro_batches):
 
 
 def count_all_reduces(ddp_model) -> dict:
-    """Register a DDP communication hook that counts bucket all-reduces, then does the default one."""
-    counter = {"all_reduces": 0}
+    """Register a DDP communication hook that counts bucket all-reduces, then does the default one.
+
+    counter["after_forward"] lists, for each all-reduce, how many forward passes the model had run by
+    then: which micro-batches synchronized (figures/accumulation_syncs.py draws it).
+    """
+    counter = {"all_reduces": 0, "forwards": 0, "after_forward": []}
 
     def counting_all_reduce(state, bucket):
         state["all_reduces"] += 1
+        state["after_forward"].append(state["forwards"])
         return default_hooks.allreduce_hook(None, bucket)
 
+    def counting_forward(module, args):
+        counter["forwards"] += 1
+
+    ddp_model.register_forward_pre_hook(counting_forward)
     ddp_model.register_comm_hook(counter, counting_all_reduce)
     return counter

@@ -6,8 +6,11 @@ bytes travel decides the cost. With N ranks and S bytes per tensor, bytes sent b
   all-to-all           (N-1)·S at every rank: each sends its whole tensor to each of the others
   ring                 2(N-1)/N·S at every rank: nearly flat in N, which is why NCCL and gloo use it
 Each function works in place, like dist.all_reduce, for any tensor size, layout and world size,
-with op 'sum' or 'avg'.
+with op 'sum' or 'avg'. The ring's chunk schedule is a function of its own, ring_schedule, which the
+figure figures/ring_allreduce.py draws; recording_sends() lists the messages a rank sends, which
+figures/allreduce_algorithms.py draws and the tests check against the cost model.
 """
+import contextlib
 import functools
 
 import torch
@@ -19,11 +22,11 @@ OPS = ("sum", "avg")
 def _in_place(summing):
     """Give a summing algorithm dist.all_reduce's contract: in place, any layout, sum or average."""
     @functools.wraps(summing)
-    def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    def all_reduce(tensor: torch.Tensor, op: str = "sum", **options) -> torch.Tensor:
         if op not in OPS:  # checked before any message is sent, so no peer is left waiting
             raise ValueError(f"op must be one of {OPS}, not {op!r}")
         contiguous = tensor if tensor.is_contiguous() else tensor.contiguous()  # send/recv need contiguous memory
-        summing(contiguous)
+        summing(contiguous, **options)
         if contiguous is not tensor:
             tensor.copy_(contiguous)
         if op == "avg":
@@ -32,12 +35,28 @@ def _in_place(summing):
     return all_reduce
 
 
+_sent: list[list[tuple[int, int]]] | None = None  # while recording: one list of (peer, bytes) per exchange
+
+
+@contextlib.contextmanager
+def recording_sends():
+    """Within the block, list what this rank sends: one list of (destination, bytes) per exchange round."""
+    global _sent
+    _sent = []
+    try:
+        yield _sent
+    finally:
+        _sent = None
+
+
 def _exchange(sends=(), receives=()) -> None:
     """Post sends [(tensor, peer)] and receives [(buffer, peer)] at once, then wait for all of them.
 
     batch_isend_irecv hands the whole set to the backend together: NCCL can deadlock on separate
     isend/irecv calls to the same peer, gloo simply issues each one.
     """
+    if _sent is not None:
+        _sent.append([(peer, tensor.numel() * tensor.element_size()) for tensor, peer in sends])
     ops = [dist.P2POp(dist.isend, tensor, peer) for tensor, peer in sends]
     ops += [dist.P2POp(dist.irecv, buffer, peer) for buffer, peer in receives]
     if not ops:  # one rank alone: batch_isend_irecv refuses an empty list
@@ -77,14 +96,26 @@ def all_to_all_all_reduce(tensor: torch.Tensor) -> None:
     tensor.copy_(total)
 
 
+def ring_schedule(rank: int, world_size: int):
+    """The ring's 2(N-1) steps for one rank: (phase, step, chunk it sends right, chunk it receives from the left).
+
+    In step s of the reduce-scatter, rank r sends chunk (r - s) to its right neighbour and adds the
+    chunk (r - s - 1) it receives from its left one; after N-1 steps rank r holds the full sum of
+    chunk (r + 1). The all-gather then passes the finished chunks around the ring for N-1 more steps,
+    each rank overwriting the chunk it receives.
+    """
+    for step in range(world_size - 1):
+        yield "reduce-scatter", step, (rank - step) % world_size, (rank - step - 1) % world_size
+    for step in range(world_size - 1):
+        yield "all-gather", step, (rank + 1 - step) % world_size, (rank - step) % world_size
+
+
 @_in_place
-def ring_all_reduce(tensor: torch.Tensor) -> None:
+def ring_all_reduce(tensor: torch.Tensor, after_step=None) -> None:
     """Reduce-scatter then all-gather around a ring, one chunk per step, each step send and receive at once.
 
-    The tensor is cut into N chunks (sizes differ by at most one element). In step s of the
-    reduce-scatter, rank r sends chunk (r - s) to its right neighbour and adds the chunk it receives
-    from its left one; after N-1 steps rank r holds the full sum of chunk (r + 1). The all-gather then
-    passes the finished chunks around the ring for N-1 more steps.
+    The tensor is cut into N chunks (sizes differ by at most one element) and moved as ring_schedule
+    says. after_step(phase, step, sent, received, chunks), if given, sees this rank's chunks after each step.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size == 1:
@@ -92,14 +123,15 @@ def ring_all_reduce(tensor: torch.Tensor) -> None:
     chunks = list(tensor.view(-1).tensor_split(world_size))
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     incoming = torch.empty_like(chunks[0])  # chunk 0 is the largest
-    for step in range(world_size - 1):
-        send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
-        buffer = incoming[: chunks[receive].numel()]
-        _exchange(sends=[(chunks[send], right)], receives=[(buffer, left)])
-        chunks[receive].add_(buffer)
-    for step in range(world_size - 1):
-        send, receive = (rank + 1 - step) % world_size, (rank - step) % world_size
-        _exchange(sends=[(chunks[send], right)], receives=[(chunks[receive], left)])
+    for phase, step, send, receive in ring_schedule(rank, world_size):
+        if phase == "reduce-scatter":
+            buffer = incoming[: chunks[receive].numel()]
+            _exchange(sends=[(chunks[send], right)], receives=[(buffer, left)])
+            chunks[receive].add_(buffer)
+        else:
+            _exchange(sends=[(chunks[send], right)], receives=[(chunks[receive], left)])
+        if after_step is not None:
+            after_step(phase, step, send, receive, chunks)
 
 
 def bytes_sent_per_rank(algorithm: str, size_bytes: int, world_size: int) -> float:

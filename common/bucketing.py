@@ -62,3 +62,9 @@ class BucketedDataParallel(nn.Module):
                 offset += param.numel()
         self._in_flight.clear()
         self._ready = [0] * len(self.buckets)
+
+
+def linear_stack(layers: int, width: int) -> nn.Sequential:
+    """Equal Linear(width, width) + ReLU layers: backward produces one equal gradient after another, so
+    overlap has something to hide (for the bucketing benchmark and the overlap figures)."""
+    return nn.Sequential(*[module for _ in range(layers) for module in (nn.Linear(width, width), nn.ReLU())])

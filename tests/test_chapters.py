@@ -96,7 +96,7 @@ def test_the_check_above_catches_a_silent_deletion():
     assert unexplained_deletions(("mnist_3_ddp.py", "mnist_4_accelerate.py"), deleted) == ["    model.eval()"]
 
 
-PATH = re.compile(r"(?<![\w/.-])((?:src|benchmarks|slurm|notebooks|images|tests|common|docs|tools|\.ci)/[\w./-]*\w)")
+PATH = re.compile(r"(?<![\w/.-])((?:src|benchmarks|slurm|notebooks|images|figures|tests|common|docs|tools|\.ci)/[\w./-]*\w)")
 
 
 OPTIONAL = {"slurm/site_env.sh"}  # a site's own file, which the job scripts source only if present
@@ -104,8 +104,8 @@ OPTIONAL = {"slurm/site_env.sh"}  # a site's own file, which the job scripts sou
 
 def documented_paths():
     texts = [ROOT / "README.md", ROOT / "slurm" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-             *sorted((ROOT / "src" / "ch4").glob("*.py")),
-             *sorted((ROOT / "benchmarks").glob("*.py")), *sorted((ROOT / "slurm").glob("*.s*"))]
+             *sorted((ROOT / "src" / "ch4").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")),
+             *sorted((ROOT / "figures").glob("*.py")), *sorted((ROOT / "slurm").glob("*.s*"))]
     return sorted({(text.name, path) for text in texts for path in PATH.findall(text.read_text())
                    if path not in OPTIONAL})
 

@@ -1,0 +1,53 @@
+"""What every figure script shares: a headless matplotlib, byte-stable SVGs, the machine's name.
+
+A schematic is saved so that the same data gives the same bytes: a fixed SVG hash salt (matplotlib
+otherwise draws random ids), no creation date, text kept as text (no font outlines, which differ
+between matplotlib versions). tests/test_figures.py regenerates each schematic and compares bytes.
+"""
+import argparse
+import os
+import platform
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display needed
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+IMAGES = Path(__file__).resolve().parent.parent / "images"
+COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd"]
+
+
+def stable_svg_style() -> None:
+    plt.rcParams.update({"svg.hashsalt": "data-parallel-pytorch", "svg.fonttype": "none", "font.size": 9})
+
+
+def save(fig, path) -> None:
+    """Save a figure; an SVG without a date, so that regenerating it from the same data changes no byte."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".svg":
+        fig.savefig(path, metadata={"Date": None})  # the Creator entry keeps the matplotlib version
+    else:
+        fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"saved {path}")
+
+
+def machine() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux) and its core count, to name beside measured numbers."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.processor() or platform.machine()
+    return f"{os.cpu_count()}-core {name}"
+
+
+def parser(doc: str, default: Path, toy: bool = False) -> argparse.ArgumentParser:
+    """--out (default: the file in images/) and, for measured figures, --toy (the small size the tests run)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=default, help=f"where to write (default: {default.relative_to(IMAGES.parent)})")
+    if toy:
+        parser.add_argument("--toy", action="store_true", help="the small size the tests run, in seconds")
+    return parser
