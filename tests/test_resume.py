@@ -158,7 +158,9 @@ def test_fsdp_killed_run_resumes_bitwise_from_sharded_checkpoints(fsdp_uninterru
 def test_fsdp_checkpoint_of_another_world_size_is_refused(fsdp_uninterrupted, tiny_mnist, tmp_path):
     """DCP could load the pieces into 1 process, but the data position and random states are per rank."""
     folder = shutil.copytree(fsdp_uninterrupted, tmp_path / "copy")
+    before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
     result = run(folder, tiny_mnist, "none", 1, restarts=0, script="mnist_fsdp_resume.py")
     assert result.returncode != 0, result.stdout
     assert "step-00000012 was written by 2 processes and this run has 1" in result.stderr, result.stderr[-3000:]
     assert "]: Traceback" not in result.stderr, result.stderr[-3000:]
+    assert {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()} == before  # nothing lost
