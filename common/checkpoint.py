@@ -87,21 +87,30 @@ def write_atomically(obj, path: Path) -> None:
         temporary.unlink(missing_ok=True)
         raise
     os.replace(temporary, path)  # atomic on POSIX: a reader sees the old name list or the new one
-    folder = os.open(path.parent, os.O_RDONLY)
+    fsync_folder(path.parent)  # the rename itself survives a crash of the machine
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make the folder's list of names (a new name, a rename) durable, as fsync does for a file's bytes."""
+    handle = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(folder)  # the rename itself survives a crash of the machine
+        os.fsync(handle)
     finally:
-        os.close(folder)
+        os.close(handle)
 
 
-def checkpoints_in(folder: Path) -> list[Path]:
+def checkpoints_in(folder: Path, name: re.Pattern = NAME) -> list[Path]:
     """Finished checkpoints in folder, newest (highest step) first."""
-    found = [path for path in folder.glob("step-*.pt") if NAME.fullmatch(path.name)]
-    return sorted(found, key=lambda path: int(NAME.fullmatch(path.name).group(1)), reverse=True)
+    found = [path for path in folder.glob("step-*") if name.fullmatch(path.name)]
+    return sorted(found, key=lambda path: int(name.fullmatch(path.name).group(1)), reverse=True)
 
 
 class Checkpoints:
-    """The checkpoints of one run in one folder, checked against what this run must share with them."""
+    """The checkpoints of one run in one folder, checked against what this run must share with them.
+
+    A checkpoint here is one file that rank 0 writes; common/sharded_checkpoint.py changes what a
+    checkpoint is (a folder of every rank's shards) and keeps the rest."""
+    NAME, SUFFIX = NAME, ".pt"
 
     def __init__(self, folder: str, every: int, fingerprint: dict, device: torch.device):
         self.folder, self.every, self.device = Path(folder), every, device
@@ -113,17 +122,31 @@ class Checkpoints:
     def due(self, position: Position) -> bool:
         return position.step % self.every == 0
 
+    def path(self, step: int) -> Path:
+        return self.folder / f"step-{step:08d}{self.SUFFIX}"
+
     def save(self, position: Position, state: dict) -> None:
-        """Every rank calls this at the same step; rank 0 writes, then all wait until the file is in place."""
+        """Every rank calls this at the same step; rank 0 writes, then all wait until the checkpoint is in place."""
         ranks = _gather_to_rank0(rng_state(self.device))
+        metadata = {"position": asdict(position), "world_size": self.world_size, "device": self.device.type,
+                    "fingerprint": self.fingerprint, "rng": ranks}
+        self._write(self.path(position.step), state, metadata)
         if rank() == 0:
-            path = self.folder / f"step-{position.step:08d}.pt"
-            write_atomically({**state, "position": asdict(position), "world_size": self.world_size,
-                              "device": self.device.type, "fingerprint": self.fingerprint, "rng": ranks}, path)
-            for old in checkpoints_in(self.folder)[KEEP:]:
-                old.unlink()
+            for old in checkpoints_in(self.folder, self.NAME)[KEEP:]:
+                self._delete(old)
         if dist.is_initialized():
             dist.barrier()
+
+    def _write(self, path: Path, state: dict, metadata: dict) -> None:
+        if rank() == 0:
+            write_atomically({**state, **metadata}, path)
+
+    def _delete(self, path: Path) -> None:
+        path.unlink()
+
+    def _read(self, path: Path) -> dict:
+        """The checkpoint's metadata (position, world size, fingerprint, device, random states) and here all the rest."""
+        return torch.load(path, map_location="cpu", weights_only=True)
 
     def save_final(self, model_state: dict) -> Path:
         """The trained weights alone, as DIR/final.pt: what a user loads for inference."""
@@ -134,14 +157,23 @@ class Checkpoints:
 
     def load_newest(self) -> dict | None:
         """The newest checkpoint that loads, with this rank's RNG state restored; None on a fresh start."""
+        found = self._find_newest()
+        if found is None:
+            return None
+        state, path = found
+        self._resumed(state, path)
+        return state
+
+    def _find_newest(self) -> tuple[dict, Path] | None:
+        """Rank 0 picks the newest checkpoint that loads; every rank reads it and checks that it is this run's."""
         state, name = self._newest_that_loads() if rank() == 0 else (None, None)
         name = _broadcast_from_rank0(name)
         if name is None:
             return None
         path = self.folder / name
-        if state is None:  # ranks other than 0 read the file rank 0 chose
+        if state is None:  # ranks other than 0 read the checkpoint rank 0 chose
             try:
-                state = torch.load(path, map_location="cpu", weights_only=True)
+                state = self._read(path)
             except Exception as error:  # missing on this node, or read while being replaced
                 sys.exit(f"error: rank {rank()} cannot read {path}, which rank 0 read ({type(error).__name__}); "
                          "--checkpoint-dir must be on a filesystem that every node sees.")
@@ -150,19 +182,22 @@ class Checkpoints:
             print(f"warning: {path} was written on {state['device']} and this run is on {self.device.type}: "
                   "it continues from there, with the random state of the CPU only, so not bitwise as it would "
                   "have been", file=sys.stderr)
+        return state, path
+
+    def _resumed(self, state: dict, path: Path) -> None:
+        """Give this rank its own random state back, and say where the run continues."""
         set_rng_state(state["rng"][rank()], self.device)
         position = Position(**state["position"])
         if rank() == 0:
             print(f"resumed from {path}: epoch {position.epoch}, {position.batches_done} batches into it, "
                   f"step {position.step}", flush=True)
-        return state
 
     def _newest_that_loads(self) -> tuple[dict | None, str | None]:
         for leftover in self.folder.glob("*.tmp"):
             print(f"warning: ignoring {leftover}, left by a save that did not finish", file=sys.stderr)
-        for path in checkpoints_in(self.folder):
+        for path in checkpoints_in(self.folder, self.NAME):
             try:
-                return torch.load(path, map_location="cpu", weights_only=True), path.name
+                return self._read(path), path.name
             except Exception as error:  # truncated, corrupt, or not a checkpoint: try the one before
                 print(f"warning: skipping {path}: it does not load ({type(error).__name__})", file=sys.stderr)
         return None, None

@@ -5,11 +5,17 @@ every 4), under torchrun with --max-restarts=1; tests/crash.py SIGKILLs a worker
 the first attempt only, torchrun restarts both workers, and they resume from the newest checkpoint.
 Equal means torch.equal on every tensor of the final weights and of the final optimizer state. The
 negative controls break one part of the resume (random state, data position) and must differ.
+The FSDP2 script saves sharded checkpoints (a folder per step, every rank's pieces): its newest one
+is read back whole, without a process group, through dcp_to_torch_save.
 """
 import shutil
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from common.checkpoint import checkpoints_in
+from common.sharded_checkpoint import ShardedCheckpoints
 
 from conftest import ROOT, TORCHRUN, assert_ran, run_as_user
 
@@ -34,6 +40,27 @@ def final_state(folder):
     weights = torch.load(folder / "final.pt", weights_only=True)
     optimizer = [tensor for state in checkpoint["optimizer"]["state"].values() for tensor in state.values()]
     return [*weights.values(), *checkpoint["model"].values(), *optimizer]
+
+
+def tensors_in(tree) -> list:
+    """Every tensor of a nested dict or list, in a fixed order (sorted keys)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [tensor for key in sorted(tree, key=str) for tensor in tensors_in(tree[key])]
+    if isinstance(tree, (list, tuple)):
+        return [tensor for item in tree for tensor in tensors_in(item)]
+    return []
+
+
+def sharded_final_state(folder):
+    """final.pt, and the newest sharded checkpoint put back together: every tensor of the model and AdamW."""
+    whole = folder.with_name(folder.name + "-whole.pt")  # beside the checkpoint folder, not in it
+    dcp_to_torch_save(checkpoints_in(folder, ShardedCheckpoints.NAME)[0], whole)
+    checkpoint = torch.load(whole, weights_only=True)
+    weights = torch.load(folder / "final.pt", weights_only=True)
+    assert sorted(checkpoint["optimizer"]["state"]) == sorted(weights)  # each parameter's moments and step
+    return [*weights.values(), *tensors_in(checkpoint["model"]), *tensors_in(checkpoint["optimizer"])]
 
 
 def bitwise_equal(a, b):
@@ -109,3 +136,31 @@ def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path):
     assert bitwise_equal(final_state(killed), final_state(uninterrupted))
     schedule = torch.load(killed / "step-00000020.pt", weights_only=True)["scheduler"]
     assert schedule["last_epoch"] == 20 and schedule["_last_lr"] == [0.0]  # the decay went on from step 12, to its end
+
+
+@pytest.fixture(scope="module")
+def fsdp_uninterrupted(tiny_mnist, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fsdp-uninterrupted")
+    assert_ran(run(folder, tiny_mnist, script="mnist_fsdp_resume.py"), "over 101 images",
+               f"final weights in {folder / 'final.pt'}")
+    return folder
+
+
+def test_fsdp_killed_run_resumes_bitwise_from_sharded_checkpoints(fsdp_uninterrupted, tiny_mnist, tmp_path):
+    result = run(tmp_path, tiny_mnist, "kill-rank1-after-step10", script="mnist_fsdp_resume.py")
+    assert_ran(result, f"resumed from {tmp_path}/step-00000008: epoch 1, 2 batches into it, step 8", "over 101 images")
+    assert sorted(path.name for path in tmp_path.glob("step-*")) == ["step-00000008", "step-00000012"]
+    for folder in tmp_path.glob("step-*"):  # one file of pieces per rank, the index, and rank 0's metadata
+        assert sorted(path.name for path in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert bitwise_equal(sharded_final_state(tmp_path), sharded_final_state(fsdp_uninterrupted))
+
+
+def test_fsdp_checkpoint_of_another_world_size_is_refused(fsdp_uninterrupted, tiny_mnist, tmp_path):
+    """DCP could load the pieces into 1 process, but the data position and random states are per rank."""
+    folder = shutil.copytree(fsdp_uninterrupted, tmp_path / "copy")
+    before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+    result = run(folder, tiny_mnist, "none", 1, restarts=0, script="mnist_fsdp_resume.py")
+    assert result.returncode != 0, result.stdout
+    assert "step-00000012 was written by 2 processes and this run has 1" in result.stderr, result.stderr[-3000:]
+    assert "]: Traceback" not in result.stderr, result.stderr[-3000:]
+    assert {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()} == before  # nothing lost
