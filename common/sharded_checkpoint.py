@@ -20,6 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -36,6 +37,8 @@ class ShardedCheckpoints(Checkpoints):
         temporary = path.with_name(path.name + ".tmp")
         if rank() == 0 and temporary.exists():  # a save killed midway: start it again from nothing
             shutil.rmtree(temporary)
+        if dist.is_initialized():
+            dist.barrier()  # before any rank creates the folder again
         dcp.save(state, checkpoint_id=temporary)  # collective; returns once rank 0 has written .metadata
         if rank() == 0:
             write_atomically(metadata, temporary / METADATA)
