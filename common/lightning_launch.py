@@ -42,6 +42,9 @@ def check_launch(devices: int | str, num_nodes: int, environ=os.environ) -> None
         sys.exit(f"error: Lightning ignores SLURM's variables in a job named '{environ['SLURM_JOB_NAME']}' (an "
                  "interactive salloc shell), so the srun tasks would not form one process group; give the step "
                  "another name: srun -J train ... (or salloc -J train).")
+    if launch.launcher == "slurm" and launch.world_size > 1 and "SLURM_NTASKS_PER_NODE" not in environ:
+        sys.exit(f"error: Lightning refuses a SLURM job submitted with --ntasks={launch.world_size} alone; "
+                 "ask for tasks per node instead: sbatch -N<nodes> --ntasks-per-node=<processes per node> ...")
     if launch.launcher == "python":
         return
     started = (launch.local_world_size, launch.world_size // launch.local_world_size)

@@ -96,3 +96,19 @@ def test_lightning_ignores_slurm_in_an_interactive_job(monkeypatch):
     assert not SLURMEnvironment.detect()
     with pytest.raises(SystemExit, match="srun -J train"):
         check_launch(2, 1, {**srun, "SLURM_JOB_NAME": "interactive"})
+
+
+def test_lightning_refuses_ntasks_without_tasks_per_node(monkeypatch):
+    """sbatch --ntasks=2 sets no SLURM_NTASKS_PER_NODE: Lightning raises when it reads the job; one sentence first."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from common.lightning_launch import check_launch
+    srun = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2",
+            "SLURM_JOB_NAME": "train"}
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    for name, value in srun.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError, match="--ntasks-per-node"):
+        SLURMEnvironment()
+    with pytest.raises(SystemExit, match="--ntasks=2 alone"):
+        check_launch(2, 1, srun)
