@@ -24,7 +24,9 @@ Run from the repository root (add --data-dir ../shared/data to use a local copy 
 Under torchrun and srun every process loads MNIST before the group exists: download it once first
 (the python launch does: its first process loads the data before it starts the others). Inside an
 interactive salloc shell, name the srun step (srun -J train ...): Lightning ignores SLURM in a job
-named "interactive" or "bash". The README's Lightning section lists the other traps.
+named "interactive" or "bash". The script ends with dist.destroy_process_group(), as step 3 does:
+Lightning destroys only NCCL groups at exit, and a gloo group left alive can abort the process as it
+exits. The README's Lightning section lists the other traps.
 
 Lines marked `# STEP` are what this step changes in mnist_3_ddp.py.
 """
