@@ -115,6 +115,13 @@ def test_each_epoch_deals_new_disjoint_shares(mnist_runs, name):
         assert set(rank["indices"][0]) != set(rank["indices"][1])  # not the same share reordered
 
 
+def test_lightning_trains_what_step_3_trains(mnist_runs):
+    """Same seed, samplers and batches, fp32, 2 epochs: Lightning's loop ends bitwise where step 3's ends."""
+    lightning, ddp = mnist_runs["lightning torchrun 2"][1][0], mnist_runs["torchrun 2"][1][0]
+    assert all(torch.equal(a, b) for a, b in zip(lightning["final"], ddp["final"]))
+    assert not all(torch.equal(a, b) for a, b in zip(lightning["final"], lightning["initial"]))  # it trained
+
+
 def test_lightning_starts_its_own_processes(tiny_mnist, tmp_path):
     """python --devices 2: Lightning starts the second process itself (uninstrumented: the first, rank 0,
     records), and the accuracy the two print together is that of rank 0's final weights on every image."""
