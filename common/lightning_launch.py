@@ -18,7 +18,8 @@ from common.distributed import detect_launch
 INTERACTIVE_JOB_NAMES = ("bash", "interactive")
 
 
-def devices(text: str):
+def devices_flag(text: str):
+    """--devices: a positive whole number, or auto as Lightning reads it."""
     return text if text == "auto" else positive_int(text)
 
 
@@ -26,7 +27,7 @@ def add_trainer_flags(parser, environ=os.environ):
     """--devices and --num-nodes, with defaults read from torchrun's or srun's variables."""
     launch = detect_launch(environ)
     launched = launch.launcher != "python"
-    parser.add_argument("--devices", type=devices, default=launch.local_world_size if launched else "auto",
+    parser.add_argument("--devices", type=devices_flag, default=launch.local_world_size if launched else "auto",
                         help="processes per node: under torchrun or srun, what they started (the default); with "
                              "plain python, how many Lightning starts (auto: every GPU, or one CPU process)")
     parser.add_argument("--num-nodes", type=positive_int,
