@@ -26,7 +26,7 @@ Under torchrun and srun every process loads MNIST before the group exists: downl
 interactive salloc shell, name the srun step (srun -J train ...): Lightning ignores SLURM in a job
 named "interactive" or "bash". The script ends with dist.destroy_process_group(), as step 3 does:
 Lightning destroys only NCCL groups at exit, and a gloo group left alive can abort the process as it
-exits. The README's Lightning section lists the other traps.
+exits. docs/lightning.md lists the other traps.
 
 Lines marked `# STEP` are what this step changes in mnist_3_ddp.py.
 """
