@@ -8,6 +8,7 @@ Its definition is the fraction of predictions equal to the reference label (scik
 accuracy_score); the scripts compute exactly that from correct and seen counts summed over ranks, so
 it works offline and stays exact under any world size.
 """
+import re
 import sys
 from pathlib import Path
 
@@ -16,11 +17,16 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 from common.cli import positive_int, training_parser
+from common.distributed import print0
 
 LABELS = ("entailment", "neutral", "contradiction")
 DEFAULT_MODEL = "bert-base-cased"
 DEFAULT_DATASET = "nyu-mll/multi_nli"
-LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv"}
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
+SPLIT_WORDS = {"train": "train", "training": "train", "dev": "validation", "validation": "validation",
+               "valid": "validation", "val": "validation", "test": "test", "testing": "test"}
+# a split word at the start of the name or after a separator, then whatever follows: "_matched"
+SPLIT_IN_NAME = re.compile(rf"(?:^|[-_. ])({'|'.join(SPLIT_WORDS)})((?:[-_][a-z]+)*)$")
 
 
 def nli_parser(doc: str, precision: bool = True):
@@ -29,8 +35,10 @@ def nli_parser(doc: str, precision: bool = True):
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"hub name or local folder with config, weights and tokenizer (default: {DEFAULT_MODEL})")
     parser.add_argument("--dataset", default=DEFAULT_DATASET,
-                        help="hub name, a .json/.jsonl/.csv file, or a folder from Dataset.save_to_disk, with "
-                             f"premise, hypothesis and label columns (default: {DEFAULT_DATASET})")
+                        help="hub name; a .jsonl/.json/.csv/.tsv/.parquet file; a folder of such files named after "
+                             "their split (train.jsonl, validation_matched.jsonl; MultiNLI's multinli_1.0_*.jsonl "
+                             "and GLUE's train.tsv, dev_matched.tsv too); or a folder from Dataset.save_to_disk "
+                             f"(default: {DEFAULT_DATASET})")
     parser.add_argument("--eval-split", choices=["split", "validation_matched"], default="split",
                         help="split: hold out 10%% of train (train_test_split, seed 42); "
                              "validation_matched: the official matched validation set")
@@ -52,16 +60,77 @@ def load_model_and_tokenizer(name: str):
     return model, tokenizer
 
 
+def _split_name(file: Path) -> str | None:
+    """The split a data file holds, read from its name as datasets.load_dataset does for a folder:
+    multinli_1.0_dev_matched.jsonl and dev_matched.tsv hold validation_matched, train.csv holds train."""
+    found = SPLIT_IN_NAME.search(file.stem.lower())
+    return found and SPLIT_WORDS[found.group(1)] + found.group(2)
+
+
+def _load_file(file: Path, split: str = "train"):
+    """One local file as a Dataset; TSV is GLUE's MNLI layout: tabs, quote characters inside sentences."""
+    from datasets import load_dataset
+    options = {"sep": "\t", "quoting": 3, "keep_default_na": False} if file.suffix == ".tsv" else {}  # 3: QUOTE_NONE
+    return load_dataset(LOCAL_FORMATS[file.suffix], data_files={split: str(file)}, split=split, **options)
+
+
+def _load_folder(folder: Path):
+    """A save_to_disk folder, or a folder of data files whose names say their split."""
+    from datasets import DatasetDict, load_from_disk
+    if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
+        return load_from_disk(str(folder))
+    files = sorted(f for f in folder.iterdir() if f.suffix in LOCAL_FORMATS and f.is_file())
+    if not files:
+        sys.exit(f"error: the folder '{folder}' is neither a save_to_disk folder nor holds data files "
+                 f"({'/'.join(LOCAL_FORMATS)}); pass --dataset with a folder holding e.g. train.jsonl and "
+                 "validation_matched.jsonl, or a single file.")
+    splits = {file: _split_name(file) for file in files}
+    if not any(splits.values()):  # no name says a split: all of it is training data, as in datasets
+        splits = dict.fromkeys(files, "train")
+    unnamed = [file.name for file, split in splits.items() if split is None]
+    twice = sorted({split for split in splits.values() if list(splits.values()).count(split) > 1})
+    if unnamed or twice:
+        problem = (f"cannot tell the split of {', '.join(unnamed)}" if unnamed
+                   else f"several files hold the split {', '.join(twice)}")
+        sys.exit(f"error: in '{folder}' {problem}; name each file after its split (train.jsonl, "
+                 "validation_matched.jsonl, multinli_1.0_dev_matched.jsonl, dev_matched.tsv), one file per split.")
+    return DatasetDict({split: _load_file(file, split) for file, split in splits.items()})
+
+
 def _load_source(dataset: str):
-    from datasets import load_dataset, load_from_disk
+    from datasets import DatasetDict, load_dataset
     path = Path(dataset)
     if path.is_dir():
-        return load_from_disk(str(path))
+        return _load_folder(path)
     if path.suffix in LOCAL_FORMATS:
         if not path.is_file():
             raise FileNotFoundError(f"no file {path}")
-        return load_dataset(LOCAL_FORMATS[path.suffix], data_files={"train": str(path)})
+        return DatasetDict(train=_load_file(path))
     return load_dataset(dataset)
+
+
+def _as_pairs(split):
+    """premise, hypothesis and label 0..2 (-1: no label), from the hub's columns or the official files'.
+
+    MultiNLI's own jsonl and GLUE's TSV name them sentence1, sentence2 and gold_label, a word, with '-'
+    where the annotators did not agree; the words map to the hub's ids (entailment 0, neutral 1,
+    contradiction 2).
+    """
+    if "gold_label" not in split.column_names or "label" in split.column_names:
+        return split
+
+    def convert(rows):
+        return {"premise": rows["sentence1"], "hypothesis": rows["sentence2"],
+                "label": [LABELS.index(word) if word in LABELS else -1 for word in rows["gold_label"]]}
+    return split.map(convert, batched=True, remove_columns=split.column_names)
+
+
+def _labeled(split, name: str):
+    """The rows with a label 0..2, saying how many it dropped ('-' in the official files)."""
+    kept = split.filter(lambda row: 0 <= row["label"] < len(LABELS))
+    if len(kept) < len(split):
+        print0(f"dropped {len(split) - len(kept)} of {len(split)} {name} pairs without a gold label")
+    return kept
 
 
 def load_pairs(dataset: str, eval_split: str, max_train: int | None, max_eval: int | None):
@@ -71,20 +140,23 @@ def load_pairs(dataset: str, eval_split: str, max_train: int | None, max_eval: i
     except Exception as error:  # datasets raises several unrelated types when offline or misnamed
         sys.exit(f"error: could not load the dataset '{dataset}' ({type(error).__name__}: "
                  f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}); pass --dataset with a "
-                 f"local .json/.jsonl/.csv file or a save_to_disk folder of premise, hypothesis, label rows.")
+                 f"local file, a folder of files or a save_to_disk folder of premise, hypothesis, label rows.")
+    if "train" not in source:
+        sys.exit(f"error: '{dataset}' has no train split (it has {', '.join(source)}); name the training file "
+                 "train.jsonl (or .csv, .tsv, .parquet).")
     if eval_split == "split":
-        parts = source["train"].train_test_split(test_size=0.1, seed=42)
+        parts = _as_pairs(source["train"]).train_test_split(test_size=0.1, seed=42)
         train, evaluation = parts["train"], parts["test"]
     elif "validation_matched" in source:
-        train, evaluation = source["train"], source["validation_matched"]
+        train, evaluation = _as_pairs(source["train"]), _as_pairs(source["validation_matched"])
     else:
         sys.exit(f"error: '{dataset}' has no validation_matched split (it has {', '.join(source)}); "
                  f"use --eval-split split.")
     missing = {"premise", "hypothesis", "label"} - set(train.column_names)
     if missing:
-        sys.exit(f"error: '{dataset}' lacks the column(s) {', '.join(sorted(missing))}; "
-                 "each row needs premise, hypothesis and label.")
-    train, evaluation = (part.filter(lambda row: 0 <= row["label"] < len(LABELS)) for part in (train, evaluation))
+        sys.exit(f"error: '{dataset}' lacks the column(s) {', '.join(sorted(missing))}; each row needs premise, "
+                 "hypothesis and label (or MultiNLI's own sentence1, sentence2 and gold_label).")
+    train, evaluation = _labeled(train, "training"), _labeled(evaluation, "evaluation")
     if max_train:
         train = train.select(range(min(max_train, len(train))))
     if max_eval:

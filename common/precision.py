@@ -85,3 +85,13 @@ def accelerate_mixed_precision(requested: str, environ=os.environ) -> str:
         requested = launched
     precision = resolve_precision(requested, device)
     return "no" if precision == "fp32" else precision
+
+
+LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+
+
+def lightning_precision(requested: str) -> str:
+    """--precision for Trainer(precision=...), with the same auto as the other scripts, on the device that
+    Trainer(accelerator="auto") picks: a GPU where there is one, else the CPU."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return LIGHTNING_PRECISION[resolve_precision(requested, device)]

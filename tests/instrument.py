@@ -4,7 +4,9 @@
 
 Each process writes OUT_DIR/rank{RANK}.pt at exit, with
   - the parameters before the first optimizer step and the gradients that step used (after DDP's
-    all-reduce), and the parameters at the end, read from the optimizer, so nothing in the script changes;
+    all-reduce; None where the step computes them itself from a closure, as Lightning's does), and the
+    parameters after the last step, read from the optimizer, so nothing in the script changes (after
+    the last step, not at exit: Lightning's trainer.test() copies rank 0's weights to every rank);
   - the indices every DistributedSampler handed this rank, one list per epoch.
 Under FSDP2 parameters and gradients are DTensors: each rank records its own piece (to_local()), and
 the test puts the pieces back together.
@@ -20,10 +22,14 @@ import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data.distributed import DistributedSampler
 
-record = {"initial": None, "grads": None, "final": None, "indices": [], "optimizer": None}
+record = {"initial": None, "grads": None, "final": None, "indices": []}
+
+
+def parameters(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -33,11 +39,13 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def before_step(optimizer, args, kwargs) -> None:
-    record["optimizer"] = optimizer
     if record["initial"] is None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        record["initial"] = [local(p) for p in params]
-        record["grads"] = [local(p.grad) for p in params]
+        record["initial"] = [local(p) for p in parameters(optimizer)]
+        record["grads"] = [None if p.grad is None else local(p.grad) for p in parameters(optimizer)]
+
+
+def after_step(optimizer, args, kwargs) -> None:
+    record["final"] = [local(p) for p in parameters(optimizer)]
 
 
 def recording_iter(sampler):
@@ -51,9 +59,6 @@ def dropout_only_in_evaluation(self, x):
 
 
 def save() -> None:
-    optimizer = record.pop("optimizer")
-    if optimizer is not None:
-        record["final"] = [local(p) for group in optimizer.param_groups for p in group["params"]]
     torch.save(record, os.path.join(OUT_DIR, f"rank{os.environ.get('RANK', '0')}.pt"))
 
 
@@ -63,6 +68,7 @@ if __name__ == "__main__":
     DistributedSampler.__iter__ = recording_iter
     nn.Dropout.forward = dropout_only_in_evaluation
     register_optimizer_step_pre_hook(before_step)
+    register_optimizer_step_post_hook(after_step)
     atexit.register(save)
     sys.argv = sys.argv[2:]
     runpy.run_path(sys.argv[0], run_name="__main__")

@@ -43,3 +43,54 @@ def write_nli_pairs(path: Path, count: int, seed: int = 0) -> Path:
             hypothesis = " ".join(rng.choices(WORDS, k=rng.randint(3, 8)))
             out.write(json.dumps({"premise": premise, "hypothesis": hypothesis, "label": rng.randrange(3)}) + "\n")
     return path
+
+
+def official_rows(count: int, unlabeled: int, seed: int = 0) -> list[dict]:
+    """Rows as MultiNLI's own files hold them: sentence1, sentence2, gold_label a word, '-' for no consensus
+    (the last `unlabeled` rows), parses and ids beside them. Sentences carry a quote and an 'NA' word,
+    which a careless TSV reader turns into a quoted field or a missing value."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(count):
+        words = rng.choices(WORDS, k=rng.randint(4, 12))
+        premise = " ".join(['"' + words[0]] + words[1:] + ["NA"])
+        hypothesis = " ".join(rng.choices(WORDS, k=rng.randint(3, 8)))
+        gold = "-" if index >= count - unlabeled else rng.choice(["entailment", "neutral", "contradiction"])
+        rows.append({"annotator_labels": [gold], "genre": "fiction", "gold_label": gold, "pairID": f"{index}e",
+                     "promptID": str(index), "sentence1": premise, "sentence1_binary_parse": f"( {premise} )",
+                     "sentence1_parse": f"(ROOT {premise})", "sentence2": hypothesis,
+                     "sentence2_binary_parse": f"( {hypothesis} )", "sentence2_parse": f"(ROOT {hypothesis})"})
+    return rows
+
+
+def write_official_multinli(folder: Path, train: int, dev: int, unlabeled: int) -> Path:
+    """multinli_1.0_{train,dev_matched,dev_mismatched}.jsonl, as in the official zip (its .txt copies and
+    README.txt beside them, which are not data files of any format the scripts read)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, count, seed in (("train", train, 0), ("dev_matched", dev, 1), ("dev_mismatched", dev, 2)):
+        with (folder / f"multinli_1.0_{split}.jsonl").open("w") as out:
+            for row in official_rows(count, unlabeled, seed):
+                out.write(json.dumps(row) + "\n")
+        (folder / f"multinli_1.0_{split}.txt").write_text("gold_label\tsentence1\tsentence2\n")
+    (folder / "README.txt").write_text("MultiNLI 1.0\n")
+    return folder
+
+
+GLUE_COLUMNS = ["index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse",
+                "sentence1_parse", "sentence2_parse", "sentence1", "sentence2"]
+
+
+def write_glue_mnli(folder: Path, train: int, dev: int, unlabeled: int) -> Path:
+    """GLUE's MNLI folder: train.tsv (label1, gold_label), dev_matched.tsv (label1..label5, gold_label) and
+    test_matched.tsv (no labels): tab-separated, quotes inside sentences left as they are."""
+    folder.mkdir(parents=True, exist_ok=True)
+    layouts = (("train", train, 0, ["label1", "gold_label"]),
+               ("dev_matched", dev, 1, [f"label{n}" for n in range(1, 6)] + ["gold_label"]),
+               ("test_matched", dev, 2, []))
+    for split, count, seed, labels in layouts:
+        lines = ["\t".join(GLUE_COLUMNS + labels)]
+        for index, row in enumerate(official_rows(count, unlabeled, seed)):
+            values = [str(index)] + [row[column] for column in GLUE_COLUMNS[1:]] + [row["gold_label"]] * len(labels)
+            lines.append("\t".join(values))
+        (folder / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+    return folder

@@ -15,7 +15,8 @@ STEPS = [*zip(MNIST_LADDER, MNIST_LADDER[1:]),  # each script is one step from t
          ("data_parallel.py", "nli_loss_in_forward.py"), ("data_parallel.py", "ddp.py"), ("ddp.py", "ddp_resume.py"),
          ("ddp.py", "nli_accelerate.py"), ("nli_dp_minimal.py", "nli_ddp_minimal.py"),
          ("mnist_3_ddp.py", "mnist_fsdp.py"), ("ddp.py", "nli_fsdp.py"),
-         ("mnist_fsdp.py", "mnist_fsdp_resume.py")]  # the FSDP script, restartable: sharded checkpoints
+         ("mnist_fsdp.py", "mnist_fsdp_resume.py"),  # the FSDP script, restartable: sharded checkpoints
+         ("mnist_3_ddp.py", "mnist_5_lightning.py")]  # Lightning, like Accelerate, takes over step 3's plumbing
 BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py"]
 MARK = "# STEP"
 DELETIONS = {  # unmarked lines of the earlier script that a step deletes on purpose

@@ -51,3 +51,64 @@ def test_bf16_autocast_runs_matmuls_in_bf16():
         assert layer(torch.randn(2, 4)).dtype == torch.bfloat16
     with autocast(torch.device("cpu"), "fp32"):
         assert layer(torch.randn(2, 4)).dtype == torch.float32
+
+
+# ---- Lightning: --devices and --num-nodes agree with the launcher, or one sentence says why not ----
+
+def trainer_flags(environ, *argv):
+    import argparse
+
+    from common.lightning_launch import add_trainer_flags
+    return add_trainer_flags(argparse.ArgumentParser(), environ).parse_args(list(argv))
+
+
+def test_lightning_flags_default_to_what_the_launcher_started():
+    torchrun = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
+    srun = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    assert vars(trainer_flags(torchrun)) == {"devices": 4, "num_nodes": 2}
+    assert vars(trainer_flags(srun)) == {"devices": 2, "num_nodes": 2}
+    assert vars(trainer_flags({})) == {"devices": "auto", "num_nodes": 1}
+    assert vars(trainer_flags({}, "--devices", "2")) == {"devices": 2, "num_nodes": 1}
+
+
+def test_lightning_layout_that_differs_from_the_launcher_is_one_sentence():
+    from common.lightning_launch import check_launch
+    torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    check_launch(2, 1, torchrun)  # agrees: nothing to say
+    with pytest.raises(SystemExit, match=r"torchrun started 2 processes, 2 per node on 1 node\(s\), but --devices 1"):
+        check_launch(1, 1, torchrun)
+
+
+def test_lightning_ignores_slurm_in_an_interactive_job(monkeypatch):
+    """Lightning's own detection, on the variables srun sets inside salloc (whose job is named
+    "interactive"): SLURM is ignored there, so check_launch stops first and says to name the step."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from common.lightning_launch import check_launch
+    srun = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "2"}
+    for name, value in srun.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    assert SLURMEnvironment.detect()
+    check_launch(2, 1, {**srun, "SLURM_JOB_NAME": "train"})
+    monkeypatch.setenv("SLURM_JOB_NAME", "interactive")
+    assert not SLURMEnvironment.detect()
+    with pytest.raises(SystemExit, match="srun -J train"):
+        check_launch(2, 1, {**srun, "SLURM_JOB_NAME": "interactive"})
+
+
+def test_lightning_refuses_ntasks_without_tasks_per_node(monkeypatch):
+    """sbatch --ntasks=2 sets no SLURM_NTASKS_PER_NODE: Lightning raises when it reads the job; one sentence first."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from common.lightning_launch import check_launch
+    srun = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2",
+            "SLURM_JOB_NAME": "train"}
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    for name, value in srun.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError, match="--ntasks-per-node"):
+        SLURMEnvironment()
+    with pytest.raises(SystemExit, match="--ntasks=2 alone"):
+        check_launch(2, 1, srun)

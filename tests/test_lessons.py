@@ -1,6 +1,6 @@
-"""What the README claims of each DDP and Accelerate script, checked on the scripts as users launch them.
+"""What the README claims of each DDP, Accelerate and Lightning script, checked on the scripts as users launch them.
 
-tests/instrument.py runs a script unchanged under torchrun or accelerate launch and records, per rank:
+tests/instrument.py runs a script unchanged under torchrun, accelerate launch or python and records, per rank:
 the weights before the first optimizer step and the gradients it used, the weights at the end, and
 the indices each DistributedSampler handed out per epoch. From those:
   - every rank ends with the same weights (DDP keeps the replicas identical);
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from common.mnist import BasicNet, load_mnist
-from conftest import ACCELERATE, EVAL_PAIRS, ROOT, TEST_IMAGES, TORCHRUN, assert_ran, run_as_user
+from conftest import ACCELERATE, EVAL_PAIRS, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran, run_as_user
 
 CH4 = ROOT / "src" / "ch4"
 INSTRUMENT = ROOT / "tests" / "instrument.py"
@@ -28,6 +28,7 @@ MNIST_RUNS = {  # name: launcher, world size, global batch, script
     "accelerate 2": (ACCELERATE + ["--config_file", CPU_CONFIG], 2, 64, "mnist_4_accelerate.py"),
     "accelerate 3": (ACCELERATE + ["--multi_gpu", "--num_processes", "3", "--num_machines", "1", "--mixed_precision",
                                    "no", "--dynamo_backend", "no"], 3, 48, "mnist_4_accelerate.py"),
+    "lightning torchrun 2": (TORCHRUN + ["--nproc_per_node=2"], 2, 64, "mnist_5_lightning.py"),
 }
 
 
@@ -70,15 +71,19 @@ def test_every_rank_ends_with_the_same_weights(mnist_runs, name):
         assert all(torch.equal(a, b) for a, b in zip(ranks[0]["final"], other["final"]))
 
 
+def one_process_correct(params, tiny_mnist) -> int:
+    """Correct predictions of these weights on the whole test set, in one process."""
+    _, test_set = load_mnist(str(tiny_mnist))
+    model = basic_net(params).eval()
+    with torch.no_grad():
+        return (model(test_set.images).argmax(dim=1) == test_set.labels).sum().item()
+
+
 @pytest.mark.parametrize("name", list(MNIST_RUNS))
 def test_accuracy_counts_what_one_process_counts(mnist_runs, tiny_mnist, name):
     stdout, ranks = mnist_runs[name]
     assert stdout.count("test accuracy") == 1  # rank 0 prints, the others do not
-    _, test_set = load_mnist(str(tiny_mnist))
-    model = basic_net(ranks[0]["final"]).eval()
-    with torch.no_grad():
-        correct = (model(test_set.images).argmax(dim=1) == test_set.labels).sum().item()
-    assert printed_correct(stdout, TEST_IMAGES, "images") == correct
+    assert printed_correct(stdout, TEST_IMAGES, "images") == one_process_correct(ranks[0]["final"], tiny_mnist)
 
 
 @pytest.mark.parametrize("name", ["torchrun 2", "torchrun 3"])
@@ -99,7 +104,7 @@ def test_first_step_is_one_process_on_the_global_batch(mnist_runs, tiny_mnist, n
     assert not close(ranks[0]["grads"], gradients(batch[:per_rank]))  # the check can fail: rank 0's batch alone
 
 
-@pytest.mark.parametrize("name", ["torchrun 2", "torchrun 3"])
+@pytest.mark.parametrize("name", ["torchrun 2", "torchrun 3", "lightning torchrun 2"])  # Lightning calls set_epoch
 def test_each_epoch_deals_new_disjoint_shares(mnist_runs, name):
     _, ranks = mnist_runs[name]
     for epoch in (0, 1):
@@ -108,6 +113,36 @@ def test_each_epoch_deals_new_disjoint_shares(mnist_runs, name):
     for rank in ranks:
         assert rank["indices"][0] != rank["indices"][1]  # set_epoch: a new shuffle
         assert set(rank["indices"][0]) != set(rank["indices"][1])  # not the same share reordered
+
+
+def test_lightning_trains_what_step_3_trains(mnist_runs):
+    """Same seed, samplers and batches, fp32, 2 epochs: Lightning's loop ends bitwise where step 3's ends."""
+    lightning, ddp = mnist_runs["lightning torchrun 2"][1][0], mnist_runs["torchrun 2"][1][0]
+    assert all(torch.equal(a, b) for a, b in zip(lightning["final"], ddp["final"]))
+    assert not all(torch.equal(a, b) for a, b in zip(lightning["final"], lightning["initial"]))  # it trained
+
+
+def test_lightning_starts_its_own_processes(tiny_mnist, tmp_path):
+    """python --devices 2: Lightning starts the second process itself (uninstrumented: the first, rank 0,
+    records), and the accuracy the two print together is that of rank 0's final weights on every image."""
+    stdout, ranks = instrumented([PYTHON], "mnist_5_lightning.py", tmp_path, "--data-dir", tiny_mnist,
+                                 "--devices", "2", "--dist-timeout", "60")
+    assert "2 processes on cpu" in stdout and stdout.count("test accuracy") == 1
+    assert printed_correct(stdout, TEST_IMAGES, "images") == one_process_correct(ranks[0]["final"], tiny_mnist)
+
+
+def test_lightning_defaults_count_a_test_image_twice(tiny_mnist, tmp_path):
+    """The negative control: the same script as most users write it, with Lightning's default
+    use_distributed_sampler=True and plain loaders, scores 102 images of the 101 on 2 ranks."""
+    script = (CH4 / "mnist_5_lightning.py").read_text()
+    for line in ("use_distributed_sampler=False", "test_sampler = DistributedEvalSampler(test_set, trainer.world_size, trainer.global_rank)"):
+        assert line in script
+    naive = tmp_path / "mnist_5_lightning_defaults.py"
+    naive.write_text(script.replace("use_distributed_sampler=False", "use_distributed_sampler=True").replace(
+        "test_sampler = DistributedEvalSampler(test_set, trainer.world_size, trainer.global_rank)", "test_sampler = None"))
+    result = run_as_user(*TORCHRUN, "--nproc_per_node=2", naive, "--data-dir", tiny_mnist, "--precision", "fp32",
+                         "--dist-timeout", "60")
+    assert_ran(result, f"over {TEST_IMAGES + 1} images")
 
 
 @pytest.mark.parametrize("launcher, script", [(TORCHRUN + ["--nproc_per_node=3"], "ddp.py"),

@@ -16,7 +16,8 @@ def assert_ok(result):
     assert_ran(result, EXACT)
 
 
-@pytest.mark.parametrize("script", ["mnist_1_single.py", "mnist_2_data_parallel.py", "mnist_4_accelerate.py"])
+@pytest.mark.parametrize("script", ["mnist_1_single.py", "mnist_2_data_parallel.py", "mnist_4_accelerate.py",
+                                    "mnist_5_lightning.py"])
 def test_one_process_with_python(run_command, tiny_mnist, script):
     assert_ok(run_command(PYTHON, CH4 / script, "--data-dir", tiny_mnist))
 
@@ -44,6 +45,16 @@ def test_global_batch_that_does_not_divide(run_command, tiny_mnist):
 def test_ddp_script_without_a_launcher(run_command, tiny_mnist):
     result = run_command(PYTHON, CH4 / "mnist_3_ddp.py", "--data-dir", tiny_mnist)
     assert_clear_error(result, "needs a launcher: torchrun --nproc_per_node=2")
+
+
+def test_lightning_devices_that_differ_from_torchrun(run_command, tiny_mnist):
+    """Lightning would raise a ValueError inside fit(); the script stops before, with one sentence per rank."""
+    result = run_command(*TORCHRUN, "--nproc_per_node=2", CH4 / "mnist_5_lightning.py", "--data-dir", tiny_mnist,
+                         "--devices", "1")
+    assert result.returncode != 0
+    message = "error: torchrun started 2 processes, 2 per node on 1 node(s), but --devices 1 --num-nodes 1"
+    assert result.stderr.count(message) == 2, result.stderr[-3000:]
+    assert "ValueError" not in result.stderr and "[rank0]: Traceback" not in result.stderr, result.stderr[-3000:]
 
 
 def test_missing_dataset_offline(run_command, tmp_path):

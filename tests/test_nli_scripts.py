@@ -53,6 +53,62 @@ def test_validation_matched_from_a_saved_dataset(run_command, tiny_bert, nli_pai
     assert "over 11 pairs" in result.stdout
 
 
+# ---- the data files users already have: official MultiNLI, GLUE's TSV, folders of files ----
+
+HUB_IDS = {"entailment": 0, "neutral": 1, "contradiction": 2}  # nyu-mll/multi_nli's ClassLabel names, in order
+
+
+def test_official_multinli_and_glue_files_load_as_they_come(tmp_path, capsys):
+    """sentence1/sentence2/gold_label words become the hub's ids; '-' rows are dropped and counted;
+    quotes and an 'NA' inside sentences survive the TSV; GLUE's unlabeled test_matched.tsv is no obstacle."""
+    from common.nli import load_pairs
+    from nli_files import official_rows, write_glue_mnli, write_official_multinli
+    expected = [(row["sentence1"], row["sentence2"], HUB_IDS[row["gold_label"]])
+                for row in official_rows(20, unlabeled=3, seed=1) if row["gold_label"] != "-"]
+    for folder in (write_official_multinli(tmp_path / "multinli_1.0", 40, 20, unlabeled=3),
+                   write_glue_mnli(tmp_path / "MNLI", 40, 20, unlabeled=3)):
+        train, evaluation = load_pairs(str(folder), "validation_matched", None, None)
+        assert [(row["premise"], row["hypothesis"], row["label"]) for row in evaluation] == expected
+        assert len(train) == 37 and train.column_names == ["premise", "hypothesis", "label"]
+        printed = capsys.readouterr().out
+        assert "dropped 3 of 40 training pairs" in printed and "dropped 3 of 20 evaluation pairs" in printed
+    train, evaluation = load_pairs(str(tmp_path / "multinli_1.0" / "multinli_1.0_train.jsonl"), "split", None, None)
+    assert len(train) + len(evaluation) == 37  # one official file alone: the 10% split of its labeled rows
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "csv", "parquet"])
+def test_a_folder_of_files_named_after_their_splits(nli_pairs, tmp_path, suffix):
+    from datasets import load_dataset
+
+    from common.nli import load_pairs
+    pairs = load_dataset("json", data_files=str(nli_pairs), split="train")
+    write = {"jsonl": "to_json", "csv": "to_csv", "parquet": "to_parquet"}[suffix]
+    getattr(pairs.select(range(100)), write)(str(tmp_path / f"train.{suffix}"))
+    getattr(pairs.select(range(100, 111)), write)(str(tmp_path / f"validation_matched.{suffix}"))
+    train, evaluation = load_pairs(str(tmp_path), "validation_matched", None, None)
+    assert (len(train), len(evaluation)) == (100, 11)
+    assert evaluation[0] == pairs[100]
+
+
+def test_a_chapter_script_on_the_official_files(run_command, tiny_bert, tmp_path):
+    from nli_files import write_official_multinli
+    folder = write_official_multinli(tmp_path / "multinli_1.0", 40, 20, unlabeled=3)
+    result = run_command(PYTHON, CH4 / "nli_dp_minimal.py", "--model", tiny_bert, "--dataset", folder,
+                         "--eval-split", "validation_matched", "--max-steps", "2")
+    assert_ran(result, "over 17 pairs", "dropped 3 of 20 evaluation pairs without a gold label")
+
+
+@pytest.mark.parametrize("names, problem", [(["README.txt"], "is neither a save_to_disk folder nor holds data files"),
+                                            (["train.jsonl", "pairs.jsonl"], "cannot tell the split of pairs.jsonl"),
+                                            (["train.jsonl", "train.csv"], "several files hold the split train")])
+def test_a_folder_the_scripts_cannot_read_is_one_sentence(nli_pairs, tmp_path, names, problem):
+    from common.nli import load_pairs
+    for name in names:
+        (tmp_path / name).write_text(nli_pairs.read_text())
+    with pytest.raises(SystemExit, match=problem):
+        load_pairs(str(tmp_path), "split", None, None)
+
+
 # ---- offline without local copies: one sentence saying what to pass ----
 
 def test_default_model_offline(run_command, nli_pairs):

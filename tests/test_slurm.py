@@ -32,6 +32,10 @@ JOBS = {  # name: launcher, its options, job script, chapter script, the world s
                                                         "--export=ALL,NPROC_PER_NODE=1,MIXED_PRECISION=bf16"],
                                              "slurm/accelerate.sbatch", "src/ch4/mnist_4_accelerate.py",
                                              "1 processes on cpu, bf16"),
+    "lightning, 2 nodes x 1 task": ("sbatch", ["-N2", "--ntasks-per-node=1", "--cpus-per-task=2"],
+                                    "slurm/srun_tasks.sbatch", "src/ch4/mnist_5_lightning.py", "2 processes"),
+    "lightning, 1 node x 2 tasks": ("sbatch", ["-N1", "--ntasks-per-node=2", "--cpus-per-task=1"],
+                                    "slurm/srun_tasks.sbatch", "src/ch4/mnist_5_lightning.py", "2 processes"),
     "salloc, 2 nodes x 1 process": ("salloc", ["-N2", "--ntasks-per-node=1", "--cpus-per-task=2"],
                                     "slurm/torchrun.sbatch", "src/ch4/mnist_3_ddp.py", "2 processes"),
 }

@@ -1,4 +1,4 @@
-"""MNIST, step 1 of 4: train BasicNet on one device.
+"""MNIST, step 1 of 5: train BasicNet on one device.
 
 The baseline that the next steps parallelise, in its plainest form: a sampler that shuffles the
 training set, a loop of forward, loss, backward and optimizer step, and an evaluation that counts

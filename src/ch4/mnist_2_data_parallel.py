@@ -1,4 +1,4 @@
-"""MNIST, step 2 of 4: nn.DataParallel, one process driving every visible GPU.
+"""MNIST, step 2 of 5: nn.DataParallel, one process driving every visible GPU.
 
 Each forward pass copies the model to every GPU, scatters the batch across them, runs the replicas
 in threads and gathers the outputs back on the first GPU, where the loss and backward start. One

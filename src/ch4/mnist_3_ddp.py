@@ -1,4 +1,4 @@
-"""MNIST, step 3 of 4: DistributedDataParallel, one process per device, started by torchrun.
+"""MNIST, step 3 of 5: DistributedDataParallel, one process per device, started by torchrun.
 
 Every process holds a full model replica and trains on its own 1/N of each global batch. During
 backward, DDP all-reduces (averages) the gradients in buckets while the rest of backward still runs,

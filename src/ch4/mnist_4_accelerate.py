@@ -1,4 +1,4 @@
-"""MNIST, step 4 of 4: the DDP training of step 3, with HuggingFace Accelerate doing the plumbing.
+"""MNIST, step 4 of 5: the DDP training of step 3, with HuggingFace Accelerate doing the plumbing.
 
 accelerator.prepare() does what step 3 wrote by hand: it picks the device, wraps the model in DDP,
 shards the data loaders across processes and moves batches to the device. accelerator.backward()

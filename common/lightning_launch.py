@@ -1,0 +1,55 @@
+"""Trainer(devices=..., num_nodes=...) that agree with however the processes were started.
+
+Lightning reads torchrun's and SLURM's variables itself and raises deep inside fit() when the
+Trainer's numbers disagree with them: under torchrun devices x num_nodes must equal WORLD_SIZE, under
+srun devices must equal --ntasks-per-node and num_nodes --nodes. So --devices and --num-nodes default
+to what the launcher started, and a disagreement, or a launch Lightning would misread, stops with one
+sentence before the Trainer exists. Started with plain python, --devices is how many processes
+Lightning starts on this node (auto: every GPU, or one CPU process).
+"""
+import os
+import sys
+
+from common.cli import positive_int
+from common.distributed import detect_launch
+
+# SLURMEnvironment.detect() treats a job with one of these names as an interactive shell and ignores
+# SLURM's variables: salloc names its job "interactive" (or after the command it runs, e.g. bash).
+INTERACTIVE_JOB_NAMES = ("bash", "interactive")
+
+
+def devices_flag(text: str):
+    """--devices: a positive whole number, or auto as Lightning reads it."""
+    return text if text == "auto" else positive_int(text)
+
+
+def add_trainer_flags(parser, environ=os.environ):
+    """--devices and --num-nodes, with defaults read from torchrun's or srun's variables."""
+    launch = detect_launch(environ)
+    launched = launch.launcher != "python"
+    parser.add_argument("--devices", type=devices_flag, default=launch.local_world_size if launched else "auto",
+                        help="processes per node: under torchrun or srun, what they started (the default); with "
+                             "plain python, how many Lightning starts (auto: every GPU, or one CPU process)")
+    parser.add_argument("--num-nodes", type=positive_int,
+                        default=launch.world_size // launch.local_world_size if launched else 1,
+                        help="nodes; under torchrun or srun, what they started (the default)")
+    return parser
+
+
+def check_launch(devices: int | str, num_nodes: int, environ=os.environ) -> None:
+    """Stop with one sentence where Lightning would raise in fit(), or misread the launch and hang."""
+    launch = detect_launch(environ)
+    if launch.launcher == "slurm" and environ.get("SLURM_JOB_NAME") in INTERACTIVE_JOB_NAMES:
+        sys.exit(f"error: Lightning ignores SLURM's variables in a job named '{environ['SLURM_JOB_NAME']}' (an "
+                 "interactive salloc shell), so the srun tasks would not form one process group; give the step "
+                 "another name: srun -J train ... (or salloc -J train).")
+    if launch.launcher == "slurm" and launch.world_size > 1 and "SLURM_NTASKS_PER_NODE" not in environ:
+        sys.exit(f"error: Lightning refuses a SLURM job submitted with --ntasks={launch.world_size} alone; "
+                 "ask for tasks per node instead: sbatch -N<nodes> --ntasks-per-node=<processes per node> ...")
+    if launch.launcher == "python":
+        return
+    started = (launch.local_world_size, launch.world_size // launch.local_world_size)
+    if (devices, num_nodes) != started:
+        sys.exit(f"error: {launch.launcher} started {launch.world_size} processes, {started[0]} per node on "
+                 f"{started[1]} node(s), but --devices {devices} --num-nodes {num_nodes} asks Lightning for "
+                 f"another layout; leave both flags out to take the launcher's.")
