@@ -20,6 +20,18 @@ ALGORITHMS = {"reduce + broadcast": allreduce.reduce_broadcast_all_reduce,
 COST_MODEL_NAMES = {"reduce + broadcast": "reduce_broadcast", "all-to-all": "all_to_all", "ring": "ring"}
 
 
+def pass_to_the_right(rank: int, world_size: int) -> list[int]:
+    """Point-to-point, one step of a ring: each rank sends its own rank number to its right neighbour
+    and receives its left neighbour's. Returns what each rank received, in rank order."""
+    mine, received = torch.tensor([float(rank)]), torch.empty(1)
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, right), dist.P2POp(dist.irecv, received, left)]):
+        request.wait()  # both posted at once: two blocking sends to each other would wait for ever
+    everyone = [torch.empty(1) for _ in range(world_size)]
+    dist.all_gather(everyone, received)
+    return [int(value.item()) for value in everyone]
+
+
 def all_reduce_three_ways(rank: int, world_size: int, numel: int) -> list[tuple]:
     """Each hand-written all-reduce beside dist.all_reduce on the same random tensors:
     (algorithm, equal to gloo's result, MB the busiest rank sends by the cost model)."""
