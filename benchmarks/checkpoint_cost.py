@@ -13,7 +13,6 @@ The checkpoints go to a temporary folder under --dir (default: the system's), wh
 the disk the real checkpoints go to. Prints a table; --plot saves the shares as a bar chart.
 """
 import argparse
-import platform
 import statistics
 import tempfile
 import time
@@ -25,6 +24,7 @@ from plotting import bar_chart
 from common.checkpoint import Checkpoints, Position
 from common.cli import positive_int
 from common.distributed import device_for
+from common.machine import machine_name
 from common.mnist import BasicNet
 from common.precision import autocast, resolve_precision
 
@@ -89,17 +89,6 @@ def save_seconds(model, optimizer, folder: str, repeats: int, device) -> tuple[f
     return statistics.median(times), size
 
 
-def machine(device) -> str:
-    """The GPU's name, or the CPU's model name from /proc/cpuinfo (Linux), to print beside every number."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        lines = open("/proc/cpuinfo").read().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
@@ -109,7 +98,7 @@ def main():
     args = parser.parse_args()
     device = device_for()
     precision = resolve_precision("auto", device)
-    print(f"{machine(device)}, {torch.get_num_threads()} threads, {precision}")
+    print(f"{machine_name(device)}, {torch.get_num_threads()} threads, {precision}")
     print("| model | parameters | checkpoint MB | save s | step s | interval (steps) | share of training time |")
     print("|---|---|---|---|---|---|---|")
     shares, labels = {}, []

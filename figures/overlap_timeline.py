@@ -22,8 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 
 from common.bucketing import BucketedDataParallel, linear_stack
+from common.machine import machine_name
 from common.spawn import run_in_process_group
-from style import COLORS, IMAGES, machine, parser, plt, save
+from style import COLORS, IMAGES, parser, plt, save
 
 CONFIGS = {"ours, one bucket after backward": None, "ours, 1 MB buckets": 1, "ours, 25 MB buckets": 25,
            "torch DDP (bucket_cap_mb=25)": "ddp"}
@@ -144,7 +145,7 @@ def draw(recording: dict, path) -> None:
     size = recording["size"]
     fig.suptitle(f"Measured overlap of backward and gradient all-reduce: {world_size} gloo processes, "
                  f"{size['layers']} x Linear({size['width']}, {size['width']}), batch {size['batch']} each, "
-                 f"one step after {size['warmup']} warm-up,\n{machine()}. On a CPU, gloo's all-reduce runs in "
+                 f"one step after {size['warmup']} warm-up,\n{machine_name()}. On a CPU, gloo's all-reduce runs in "
                  "threads on the same cores as backward:\noverlapped communication slows the backward it overlaps, so "
                  "the hiding is partial, unlike on GPUs with links of their own.", fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.95))

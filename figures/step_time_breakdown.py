@@ -22,9 +22,10 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from common.bucketing import linear_stack
+from common.machine import machine_name
 from common.spawn import run_in_process_group
 from overlap_timeline import CONFIGS, SIZES, step, wrap
-from style import COLORS, IMAGES, machine, parser, plt, save
+from style import COLORS, IMAGES, parser, plt, save
 
 CONFIGURATIONS = {"each process alone (no communication)": "alone", **CONFIGS}
 PHASES = ["forward", "backward", "exposed communication", "optimizer"]
@@ -95,7 +96,7 @@ def draw(recording: dict, path) -> None:
     size = recording["size"]
     ax.set_title(f"Where a step's time goes, from torch.profiler events: {recording['world_size']} gloo processes, "
                  f"{size['layers']} x Linear({size['width']}, {size['width']}),\nbatch {size['batch']} each, "
-                 f"{recording['steps']} steps profiled, {machine()}.\nCommunication shares the cores with compute "
+                 f"{recording['steps']} steps profiled, {machine_name()}.\nCommunication shares the cores with compute "
                  "here, so hidden communication still lengthens backward.", fontsize=9)
     fig.tight_layout()
     save(fig, path)

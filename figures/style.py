@@ -5,8 +5,6 @@ otherwise draws random ids), no creation date, text kept as text (no font outlin
 between matplotlib versions). tests/test_figures.py regenerates each schematic and compares bytes.
 """
 import argparse
-import os
-import platform
 from pathlib import Path
 
 import matplotlib
@@ -32,16 +30,6 @@ def save(fig, path) -> None:
         fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"saved {path}")
-
-
-def machine() -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux) and its core count, to name beside measured numbers."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.processor() or platform.machine()
-    return f"{os.cpu_count()}-core {name}"
 
 
 def parser(doc: str, default: Path, toy: bool = False) -> argparse.ArgumentParser:
