@@ -64,7 +64,7 @@ def _split_name(file: Path) -> str | None:
     """The split a data file holds, read from its name as datasets.load_dataset does for a folder:
     multinli_1.0_dev_matched.jsonl and dev_matched.tsv hold validation_matched, train.csv holds train."""
     found = SPLIT_IN_NAME.search(file.stem.lower())
-    return found and SPLIT_WORDS[found.group(1)] + found.group(2)
+    return found and SPLIT_WORDS[found.group(1)] + found.group(2).replace("-", "_")  # dev-matched: validation_matched
 
 
 def _load_file(file: Path, split: str = "train"):

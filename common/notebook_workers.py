@@ -8,11 +8,10 @@ Each returns rank 0's view of what happened, small enough to print as a table.
 """
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import accumulation, allreduce
-from common.bucketing import BucketedDataParallel
+from common.bucketing import BucketedDataParallel, linear_stack
 from common.mnist import BasicNet
 
 ALGORITHMS = {"reduce + broadcast": allreduce.reduce_broadcast_all_reduce,
@@ -47,10 +46,6 @@ def all_reduce_three_ways(rank: int, world_size: int, numel: int) -> list[tuple]
     return rows
 
 
-def mlp(layers: int, width: int) -> nn.Sequential:
-    return nn.Sequential(*[module for _ in range(layers) for module in (nn.Linear(width, width), nn.ReLU())])
-
-
 def bucket_sweep(rank: int, world_size: int, caps_mb: list[float], layers: int, width: int) -> list[dict]:
     """For each bucket_cap_mb: the buckets our BucketedDataParallel makes, the buckets torch DDP makes
     after its first backward (it rebuilds them in the order the gradients arrived), and DDP's own
@@ -58,8 +53,8 @@ def bucket_sweep(rank: int, world_size: int, caps_mb: list[float], layers: int, 
     rows = []
     for cap in caps_mb:
         torch.manual_seed(0)
-        ours = BucketedDataParallel(mlp(layers, width), bucket_cap_mb=cap)
-        ddp = DDP(mlp(layers, width), bucket_cap_mb=cap)
+        ours = BucketedDataParallel(linear_stack(layers, width), bucket_cap_mb=cap)
+        ddp = DDP(linear_stack(layers, width), bucket_cap_mb=cap)
         for model in (ours, ddp):
             for _ in range(3):
                 model(torch.randn(16, width)).square().mean().backward()

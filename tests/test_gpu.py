@@ -34,6 +34,13 @@ def test_single_gpu(run_command, tiny_mnist, precision):
     assert_ran(result, f"one process on cuda:0, {precision}", f"over {TEST_IMAGES} images")
 
 
+def test_lightning_on_one_gpu(run_command, tiny_mnist):
+    """trainer.test() leaves the module on the CPU: the counts must still be summed on the GPU (NCCL)."""
+    result = run_command(PYTHON, CH4 / "mnist_5_lightning.py", "--data-dir", tiny_mnist, "--devices", "1",
+                         env_extra=ON_GPU)
+    assert_ran(result, "1 processes on cuda", f"over {TEST_IMAGES} images")
+
+
 def test_data_parallel_replicas_compute_in_bf16(run_command):
     """With one GPU DataParallel calls the module in this thread; replica threads need two or more."""
     code = ("import torch, torch.nn as nn; from common.precision import Autocast;"

@@ -177,6 +177,15 @@ def test_fewer_eval_pairs_than_processes(run_command, tiny_bert, nli_pairs, scri
     assert_ran(result, "over 2 pairs")
 
 
+def test_lightning_with_fewer_test_images_than_processes(run_command, tmp_path):
+    """One test image on 2 ranks: rank 1's test loader is empty, which Lightning refuses unless told."""
+    from mnist_files import write_tiny_mnist
+    data = write_tiny_mnist(tmp_path, train_size=64, test_size=1)
+    result = run_command(*TORCHRUN, "--nproc_per_node=2", CH4 / "mnist_5_lightning.py", "--data-dir", data,
+                         "--dist-timeout", "60", timeout=240)
+    assert_ran(result, "over 1 images")
+
+
 # ---- small ones ----
 
 @pytest.mark.parametrize("script", ["nli_dp_minimal.py", "nli_ddp_minimal.py"])

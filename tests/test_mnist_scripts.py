@@ -53,7 +53,7 @@ def test_lightning_devices_that_differ_from_torchrun(run_command, tiny_mnist):
                          "--devices", "1")
     assert result.returncode != 0
     message = "error: torchrun started 2 processes, 2 per node on 1 node(s), but --devices 1 --num-nodes 1"
-    assert result.stderr.count(message) == 2, result.stderr[-3000:]
+    assert message in result.stderr, result.stderr[-3000:]  # each rank that gets this far says it (torchrun may stop the second first)
     assert "ValueError" not in result.stderr and "[rank0]: Traceback" not in result.stderr, result.stderr[-3000:]
 
 

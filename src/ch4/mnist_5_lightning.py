@@ -56,6 +56,7 @@ class LitBasicNet(L.LightningModule):  # STEP: the model and what one step does;
         self.model = BasicNet().to(memory_format=torch.channels_last)  # STEP: the Trainer moves it to the device
         self.lr = lr  # STEP
         self.train_seconds, self.correct, self.seen = 0.0, 0, 0  # STEP
+        self.allow_zero_length_dataloader_with_multiple_devices = True  # STEP: a rank may have no test image
 
     def configure_optimizers(self):  # STEP
         return torch.optim.AdamW(self.parameters(), lr=self.lr)  # STEP
@@ -109,7 +110,7 @@ def main():
     train_seconds = model.train_seconds  # STEP
 
     trainer.test(model, test_loader, verbose=False)  # STEP: every rank scores its own share, no DDP wrap
-    correct, seen = sum_across_ranks(model.correct, model.seen, device=model.device)  # STEP: every image once
+    correct, seen = sum_across_ranks(model.correct, model.seen, device=trainer.strategy.root_device)  # STEP: every image once; test() left the model on the CPU
     print0(f"train time {train_seconds:.1f} s, {args.epochs * len(train_set) / train_seconds:.0f} samples/s")
     print0(f"test accuracy {correct / seen:.2%} over {seen} images")
     dist.destroy_process_group()
