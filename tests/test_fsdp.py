@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from common.mnist import BasicNet, load_mnist
 from conftest import EVAL_PAIRS, TEST_IMAGES, TORCHRUN
-from test_lessons import basic_net, bert_correct, instrumented, printed_correct
+from test_lessons import basic_net, bert_correct, instrumented, one_process_correct, printed_correct
 
 WORLD_SIZE = 3  # 101 test images and 13 pairs divide by neither 2 nor 3: ranks get repeats
 
@@ -63,11 +63,7 @@ def test_first_step_is_one_process_on_the_global_batch(mnist_fsdp, tiny_mnist):
 def test_accuracy_counts_what_one_process_counts(mnist_fsdp, tiny_mnist):
     stdout, ranks = mnist_fsdp
     assert stdout.count("test accuracy") == 1
-    _, test_set = load_mnist(str(tiny_mnist))
-    model = basic_net(assembled(ranks, "final")).eval()
-    with torch.no_grad():
-        correct = (model(test_set.images).argmax(dim=1) == test_set.labels).sum().item()
-    assert printed_correct(stdout, TEST_IMAGES, "images") == correct
+    assert printed_correct(stdout, TEST_IMAGES, "images") == one_process_correct(assembled(ranks, "final"), tiny_mnist)
 
 
 def test_bert_fsdp_accuracy(tiny_bert, nli_pairs, tmp_path):
