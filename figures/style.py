@@ -20,16 +20,17 @@ def stable_svg_style() -> None:
     plt.rcParams.update({"svg.hashsalt": "data-parallel-pytorch", "svg.fonttype": "none", "font.size": 9})
 
 
-def save(fig, path) -> None:
-    """Save a figure; an SVG without a date, so that regenerating it from the same data changes no byte."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".svg":
-        fig.savefig(path, metadata={"Date": None})  # the Creator entry keeps the matplotlib version
-    else:
-        fig.savefig(path, dpi=120)
+def save(fig, *paths) -> None:
+    """Save a figure to each path; an SVG without a date, so that regenerating it from the same data
+    changes no byte."""
+    for path in map(Path, paths):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".svg":
+            fig.savefig(path, metadata={"Date": None})  # the Creator entry keeps the matplotlib version
+        else:
+            fig.savefig(path, dpi=120)
+        print(f"saved {path}")
     plt.close(fig)
-    print(f"saved {path}")
 
 
 def parser(doc: str, default: Path, toy: bool = False) -> argparse.ArgumentParser:

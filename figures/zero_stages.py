@@ -6,10 +6,12 @@ The SVG is byte-stable (fixed hash salt, no date), so tests/test_figures.py redr
 
     python figures/zero_stages.py      # writes images/zero_stages.svg and images/zero_stages.png
 """
-import argparse
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from matplotlib.patches import Rectangle
+
+from style import IMAGES, parser, plt, save, stable_svg_style
+
 RANKS = 4
 TERMS = [("parameters 4Ψ", 4, "#1f77b4"), ("gradients 4Ψ", 4, "#ff7f0e"), ("optimizer state 8Ψ", 8, "#2ca02c")]
 ROWS = [  # name, how many of the three terms are sharded, per-rank bytes, what moves in one step
@@ -24,13 +26,9 @@ ROWS = [  # name, how many of the three terms are sharded, per-rank bytes, what 
 ]
 
 
-def draw(svg_path: Path, png_path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
-    matplotlib.rcParams["svg.hashsalt"] = "zero-stages"  # stable element ids
-    matplotlib.rcParams["svg.fonttype"] = "none"  # text as text, not glyph paths
+def draw(svg_path: Path) -> None:
+    """The SVG at svg_path, and a PNG beside it for the docs."""
+    stable_svg_style()
     fig, ax = plt.subplots(figsize=(13, 7.2))
     ax.set_xlim(0, 28.5)
     ax.set_ylim(-0.9, len(ROWS) * 2.2 + 0.4)
@@ -60,17 +58,11 @@ def draw(svg_path: Path, png_path: Path) -> None:
             fontsize=9, va="center")
     ax.set_title("What each rank holds, and what moves in one training step", fontsize=13)
     fig.tight_layout()
-    fig.savefig(svg_path, metadata={"Date": None})
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    print(f"saved {svg_path} and {png_path}")
+    save(fig, svg_path, svg_path.with_suffix(".png"))
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", default=ROOT / "images", type=Path)
-    args = parser.parse_args()
-    draw(args.out_dir / "zero_stages.svg", args.out_dir / "zero_stages.png")
+    draw(parser(__doc__, IMAGES / "zero_stages.svg").parse_args().out)
 
 
 if __name__ == "__main__":
