@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from common.allreduce import ALGORITHMS, bytes_sent_per_rank
+from common.machine import machine_name
 from common.spawn import run_in_process_group
 
 SIZES = [2**10 * 4**k for k in range(9)]  # 1 KB .. 64 MB
@@ -112,7 +113,8 @@ def main():
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--max-mb", type=float, default=64, help="largest tensor, in MB (default: 64)")
     parser.add_argument("--plot", help="also save a figure to this PNG")
-    parser.add_argument("--title", default="All-reduce bus bandwidth over gloo", help="plot title, e.g. the machine's name")
+    parser.add_argument("--title", default=f"All-reduce bus bandwidth over gloo, one machine: {machine_name()}",
+                        help="plot title (default names the machine)")
     args = parser.parse_args()
     sizes = [size for size in SIZES if size <= args.max_mb * 2**20]
     rows = [row for world_size in args.world_sizes
