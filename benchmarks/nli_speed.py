@@ -39,12 +39,12 @@ def write_pairs(path: Path, count: int) -> None:
                                   "label": rng.randrange(3)}) + "\n")
 
 
-def measure(command: list[str], warmup: int, global_batch: int) -> dict:
+def measure(command: list[str], reports_dir: Path, warmup: int, global_batch: int) -> dict:
     """Run one configuration; throughput from rank 0's step times after warm-up, memory the largest of any rank."""
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if result.returncode:
         sys.exit(f"error: {' '.join(command)} failed:\n{result.stderr[-3000:]}")
-    reports = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("step-timer ")]
+    reports = [json.loads(path.read_text()) for path in sorted(reports_dir.glob("rank*.json"))]
     ends = next(r for r in reports if r["rank"] == 0)["step_ends"]
     steps_per_s = (len(ends) - 1 - warmup) / (ends[-1] - ends[warmup])
     return {"steps_per_s": steps_per_s, "samples_per_s": steps_per_s * global_batch, "steps": len(ends),
@@ -72,14 +72,15 @@ def main():
         flags = ["--model", args.model, "--dataset", str(pairs), "--max-steps", str(args.steps),
                  "--batch-size", str(args.batch_size), "--max-eval-samples", "64", "--precision", args.precision]
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-        timer = "benchmarks/step_timer.py"
         single = f"1 process, DataParallel over {gpus} GPUs" if gpus > 1 else f"1 process on {'a GPU' if gpus else 'the CPU'}"
-        runs = {f"data_parallel.py, {single}": [sys.executable, timer, "src/ch4/data_parallel.py", *flags],
-                f"ddp.py, {args.nproc} processes": [*torchrun, timer, "src/ch4/ddp.py", *flags]}
+        runs = {f"data_parallel.py, {single}": ([sys.executable], "src/ch4/data_parallel.py"),
+                f"ddp.py, {args.nproc} processes": (torchrun, "src/ch4/ddp.py")}
         results = {}
-        for name, command in runs.items():
+        for name, (launcher, script) in runs.items():
+            reports_dir = Path(tempfile.mkdtemp(dir=folder))  # one report per process, from benchmarks/step_timer.py
+            command = [*launcher, "benchmarks/step_timer.py", str(reports_dir), script, *flags]
             print(f"running: {' '.join(command)}", flush=True)
-            results[name] = measure(command, args.warmup, args.batch_size)
+            results[name] = measure(command, reports_dir, args.warmup, args.batch_size)
     print("| run | steps timed | steps/s | samples/s | peak memory per process | memory measured as |")
     print("|---|---:|---:|---:|---:|---|")
     for name, r in results.items():
