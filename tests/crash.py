@@ -11,6 +11,8 @@ WHAT is comma-separated:
                                interrupt a tiny run while it still trains
   forget-rng                   negative control: a resume does not restore the random state
   replay-epoch                 negative control: a resumed epoch starts again at its first batch
+  first-buckets                negative control: a resumed DDP does not rebuild its buckets before
+                               its first step (common/ddp_buckets.py)
   none                         no crash
 Kills happen only on the first attempt (TORCHELASTIC_RESTART_COUNT 0, SLURM_RESTART_COUNT 0), so
 the restart runs clean.
@@ -75,6 +77,9 @@ if __name__ == "__main__":
             from common.samplers import ResumableDistributedSampler
             original_set_epoch = ResumableDistributedSampler.set_epoch
             ResumableDistributedSampler.set_epoch = lambda self, epoch, batches_done=0: original_set_epoch(self, epoch)
+        elif item == "first-buckets":
+            import common.ddp_buckets
+            common.ddp_buckets.rebuild_buckets = lambda model, autocast, *inputs, **kwargs: None
         elif not killing and item not in ("none", "slow-first-run"):
             sys.exit(f"tests/crash.py: unknown {item}")
     sys.argv = sys.argv[2:]

@@ -1,10 +1,14 @@
 """A killed run that comes back ends bitwise equal to one that was never killed.
 
-Every run trains the tiny MNIST for 2 epochs on 2 gloo processes (6 steps per epoch, a checkpoint
+Every run trains the tiny MNIST for 2 epochs on 3 gloo processes (6 steps per epoch, a checkpoint
 every 4), under torchrun with --max-restarts=1; tests/crash.py SIGKILLs a worker at a chosen point of
-the first attempt only, torchrun restarts both workers, and they resume from the newest checkpoint.
+the first attempt only, torchrun restarts the workers, and they resume from the newest checkpoint.
+Three processes, not two: with two, every all-reduce sum is a + b == b + a, and a resumed DDP that
+reduces in other buckets than the run it continues (common/ddp_buckets.py) ends bitwise equal all the
+same; with three it does not. A clean resume (a finished run's checkpoint copied into a new folder)
+is checked at 2 and 4 processes too.
 Equal means torch.equal on every tensor of the final weights and of the final optimizer state. The
-negative controls break one part of the resume (random state, data position) and must differ.
+negative controls break one part of the resume (random state, data position, the buckets) and must differ.
 The FSDP2 script saves sharded checkpoints (a folder per step, every rank's pieces): its newest one
 is read back whole, without a process group, through dcp_to_torch_save.
 """
@@ -25,9 +29,11 @@ CH4 = ROOT / "src" / "ch4"
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def run(folder, data, what="none", processes=2, *flags, restarts=1, script="mnist_3_ddp_resume.py"):
-    """2 epochs of 6 steps (MNIST: global batch 32), a checkpoint every 4 steps."""
-    data_flags = ["--data-dir", data, "--batch-size", "32"] if script.startswith("mnist") \
+def run(folder, data, what="none", processes=3, *flags, restarts=1, script="mnist_3_ddp_resume.py"):
+    """2 epochs of 6 steps (MNIST: 192 images; a global batch of 33 at 1 and 3 processes, 6 batches of
+    11 in a rank's 64; 32 at 2 and 4), a checkpoint every 4 steps; BERT: 2 epochs of 10 steps."""
+    batch = "32" if processes in (2, 4) else "33"
+    data_flags = ["--data-dir", data, "--batch-size", batch] if script.startswith("mnist") \
         else ["--model", data[0], "--dataset", data[1], "--batch-size", "12"]
     return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", f"--max-restarts={restarts}", CRASH, what,
                        CH4 / script, *data_flags, "--checkpoint-dir", folder, "--checkpoint-every", "4", "--epochs", "2",
@@ -91,12 +97,24 @@ def test_killed_run_resumes_bitwise(uninterrupted, tiny_mnist, tmp_path, what, r
     assert sorted(path.name for path in tmp_path.glob("step-*.pt")) == ["step-00000008.pt", "step-00000012.pt"]
 
 
-@pytest.mark.parametrize("broken", ["forget-rng", "replay-epoch"])
-def test_resume_without_random_state_or_data_position_differs(uninterrupted, tiny_mnist, tmp_path, broken):
+@pytest.mark.parametrize("broken", ["forget-rng", "replay-epoch", "first-buckets"])
+def test_resume_without_random_state_data_position_or_buckets_differs(uninterrupted, tiny_mnist, tmp_path, broken):
     """Negative controls: the test above can fail. Without the random state the resumed ranks draw other
-    dropout masks; replaying the epoch from its start trains twice on two batches."""
+    dropout masks; replaying the epoch from its start trains twice on two batches; without
+    rebuild_buckets the first resumed step reduces in one bucket, where the uninterrupted run used two."""
     assert_ran(run(tmp_path, tiny_mnist, f"kill-rank1-after-step10,{broken}"), "resumed from")
     assert not bitwise_equal(final_state(tmp_path), final_state(uninterrupted))
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_clean_resume_is_bitwise_at_2_and_4_processes(tiny_mnist, tmp_path, processes):
+    """A finished run's step-8 checkpoint, alone in a new folder: the rerun ends where the run ended."""
+    finished, resumed = tmp_path / "finished", tmp_path / "resumed"
+    assert_ran(run(finished, tiny_mnist, "none", processes, restarts=0), "over 101 images")
+    resumed.mkdir()
+    shutil.copy(finished / "step-00000008.pt", resumed)
+    assert_ran(run(resumed, tiny_mnist, "none", processes, restarts=0), f"resumed from {resumed}/step-00000008.pt")
+    assert bitwise_equal(final_state(resumed), final_state(finished))
 
 
 def test_truncated_checkpoint_falls_back_to_the_one_before(uninterrupted, tiny_mnist, tmp_path):
@@ -112,8 +130,8 @@ def test_truncated_checkpoint_falls_back_to_the_one_before(uninterrupted, tiny_m
 
 
 @pytest.mark.parametrize("processes, flags, phrase", [
-    (1, [], "was written by 2 processes and this run has 1; each rank's data position and random state"),
-    (2, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),
+    (1, [], "was written by 3 processes and this run has 1; each rank's data position and random state"),
+    (3, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),
     (1, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),  # the run first, then the processes
 ])
 def test_checkpoint_of_another_run_is_refused(uninterrupted, tiny_mnist, tmp_path, processes, flags, phrase):
@@ -126,12 +144,15 @@ def test_checkpoint_of_another_run_is_refused(uninterrupted, tiny_mnist, tmp_pat
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # nothing lost
 
 
-def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path):
-    """The tiny BERT: dropout in every layer and a linear schedule; 2 epochs of 10 steps, killed after 14."""
-    data = (tiny_bert, nli_pairs)
+@pytest.mark.parametrize("precision", ["fp32", "auto"])
+def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path, precision):
+    """The tiny BERT: dropout in every layer and a linear schedule; 2 epochs of 10 steps, killed after 14.
+    In the default precision too (bf16 where the CPU has it): autocast's casts are nodes of the graph
+    whose gradient order DDP records, so the resumed buckets are rebuilt under the same autocast."""
+    data, precision = (tiny_bert, nli_pairs), ["--precision", precision]
     uninterrupted, killed = tmp_path / "uninterrupted", tmp_path / "killed"
-    assert_ran(run(uninterrupted, data, script="ddp_resume.py"), "over 13 pairs")
-    result = run(killed, data, "kill-rank1-after-step14", script="ddp_resume.py")
+    assert_ran(run(uninterrupted, data, "none", 3, *precision, script="ddp_resume.py"), "over 13 pairs")
+    result = run(killed, data, "kill-rank1-after-step14", 3, *precision, script="ddp_resume.py")
     assert_ran(result, f"resumed from {killed}/step-00000012.pt: epoch 1, 2 batches into it, step 12", "over 13 pairs")
     assert bitwise_equal(final_state(killed), final_state(uninterrupted))
     schedule = torch.load(killed / "step-00000020.pt", weights_only=True)["scheduler"]
@@ -151,7 +172,8 @@ def test_fsdp_killed_run_resumes_bitwise_from_sharded_checkpoints(fsdp_uninterru
     assert_ran(result, f"resumed from {tmp_path}/step-00000008: epoch 1, 2 batches into it, step 8", "over 101 images")
     assert sorted(path.name for path in tmp_path.glob("step-*")) == ["step-00000008", "step-00000012"]
     for folder in tmp_path.glob("step-*"):  # one file of pieces per rank, the index, and rank 0's metadata
-        assert sorted(path.name for path in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+        assert sorted(path.name for path in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                  "__2_0.distcp", "meta.pt"]
     assert bitwise_equal(sharded_final_state(tmp_path), sharded_final_state(fsdp_uninterrupted))
 
 
@@ -161,6 +183,6 @@ def test_fsdp_checkpoint_of_another_world_size_is_refused(fsdp_uninterrupted, ti
     before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
     result = run(folder, tiny_mnist, "none", 1, restarts=0, script="mnist_fsdp_resume.py")
     assert result.returncode != 0, result.stdout
-    assert "step-00000012 was written by 2 processes and this run has 1" in result.stderr, result.stderr[-3000:]
+    assert "step-00000012 was written by 3 processes and this run has 1" in result.stderr, result.stderr[-3000:]
     assert "]: Traceback" not in result.stderr, result.stderr[-3000:]
     assert {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()} == before  # nothing lost

@@ -28,6 +28,7 @@ from transformers import get_linear_schedule_with_warmup
 from common.checkpoint import Checkpoints, Position  # STEP
 from common.cli import add_checkpoint_flags  # STEP
 from common.cli import per_process_batch
+from common.ddp_buckets import rebuild_buckets  # STEP
 from common.distributed import device_for, init_process_group, print0, require_launcher
 from common.gather import sum_across_ranks
 from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
@@ -117,6 +118,7 @@ def main(args):
         optimizer.load_state_dict(state["optimizer"])  # STEP
         scheduler.load_state_dict(state["scheduler"])  # STEP: the schedule goes on from its step
         scaler.load_state_dict(state["scaler"])  # STEP
+        rebuild_buckets(model, autocast(device, precision), input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))  # STEP: the first run's buckets
     stop = StopSignal()  # STEP: SIGTERM and SIGUSR1 only set a flag
 
     print0(f"{launch.world_size} processes on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")

@@ -35,6 +35,7 @@ from common.checkpoint import Checkpoints, Position  # STEP
 from common.cli import mnist_parser
 from common.cli import add_checkpoint_flags  # STEP
 from common.cli import per_process_batch
+from common.ddp_buckets import rebuild_buckets  # STEP
 from common.distributed import device_for, init_process_group, print0, require_launcher
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, make_loader
@@ -113,6 +114,7 @@ def main():
         model.module.load_state_dict(state["model"])  # STEP
         optimizer.load_state_dict(state["optimizer"])  # STEP
         scaler.load_state_dict(state["scaler"])  # STEP
+        rebuild_buckets(model, autocast(device, precision), torch.zeros(1, 1, 28, 28, device=device))  # STEP: reduce in the buckets the first run had by now
     stop = StopSignal()  # STEP: SIGTERM and SIGUSR1 only set a flag
     first_step = position.step  # STEP
 
