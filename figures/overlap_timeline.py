@@ -90,14 +90,15 @@ def timed_run(config, layers, width, batch, warmup) -> dict:
 
     if config == "ddp":
         model.register_comm_hook(None, timed_all_reduce)
-    for param in model.parameters():
-        param.register_post_accumulate_grad_hook(gradient_ready)
+    hooks = [param.register_post_accumulate_grad_hook(gradient_ready) for param in model.parameters()]
     marks = {}
     for index in range(warmup + 1):
         timeline["recording"] = index == warmup
         dist.barrier()
         step(model, optimizer, inputs, marks)
     torch.futures.wait_all(callbacks)
+    for hook in hooks:  # gradient_ready holds the model: left on DDP's parameters, that cycle runs through DDP's
+        hook.remove()  # reducer (C++, out of the garbage collector's sight) and keeps the process group alive
     timeline.pop("recording")
     return {**timeline, "marks": marks}
 

@@ -3,7 +3,7 @@
 A developer tool, not part of CI: a process-group bug that shows up once in ten runs (a worker that
 aborts at exit, a rendezvous that races) passes a single CI run by luck. This makes it visible:
 
-    python tools/stress.py --runs 50 --only bucketing     # the benchmark of the "terminate called" abort
+    python tools/stress.py --runs 50 --only "overlap figure" "step-time figure"   # the figures that aborted
     python tools/stress.py --runs 10                      # every check below, 10 times each
 
 Each run is a fresh process with a time limit; the table shows failures per check, and the end of
@@ -11,20 +11,28 @@ the first failure's output is printed so that the cause can be read.
 """
 import argparse
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-CHECKS = {  # name: the command, run from the repository root
+OUT = Path(tempfile.mkdtemp(prefix="stress-"))  # figures drawn here, not over images/
+CHECKS = {  # name: the command, run from the repository root; every module that spawns a process group
+    "overlap figure": [PY, "figures/overlap_timeline.py", "--toy", "--out", str(OUT / "overlap.png")],
+    "step-time figure": [PY, "figures/step_time_breakdown.py", "--toy", "--out", str(OUT / "step_time.png")],
+    **{f"{name} figure": [PY, f"figures/{name}.py", "--out", str(OUT / f"{name}.svg")]
+       for name in ("accumulation_syncs", "allreduce_algorithms", "bucket_assignment", "ring_allreduce")},
     "bucketing": [PY, "benchmarks/bucketing_speed.py", "--layers", "2", "--width", "64", "--batch", "4", "--steps", "3"],
     "allreduce": [PY, "benchmarks/allreduce_speed.py", "--world-sizes", "2", "3", "--max-mb", "0.01"],
     "grad_sync": [PY, "benchmarks/grad_sync.py", "--nproc", "2", "--accumulation-steps", "2", "--micro-batch", "2",
                   "--optimizer-steps", "1"],
+    "uneven": [PY, "benchmarks/uneven_inputs.py", "--batches", "1", "--timeout", "5"],
     "spawn tests": [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_equivalence.py",
                     "tests/test_gather.py", "tests/test_bucketing.py", "tests/test_accumulation.py",
-                    "tests/test_allreduce.py"],
+                    "tests/test_allreduce.py", "tests/test_zero.py", "tests/test_figures.py"],
+    "resume tests": [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_resume.py", "-k", "fsdp"],
 }
 
 
