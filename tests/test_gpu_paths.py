@@ -5,6 +5,7 @@ fp16 step does not advance the schedule. test_gpu.py runs the same paths on real
 """
 import os
 import re
+import subprocess
 import threading
 
 import pytest
@@ -12,9 +13,9 @@ import torch
 import torch.nn as nn
 import yaml
 
-from common.distributed import Launch, detect_launch, device_for, processes_for_this_machine
+from common.distributed import Launch, detect_launch, device_for, processes_for_this_machine, processes_note
 from common.precision import Autocast, accelerate_mixed_precision, auto_precision, optimizer_step
-from conftest import ACCELERATE, PYTHON, ROOT, TORCHRUN, assert_ran
+from conftest import ACCELERATE, PYTHON, ROOT, TORCHRUN, assert_ran, offline_env
 
 CH4 = ROOT / "src" / "ch4"
 
@@ -36,6 +37,19 @@ def test_two_processes_on_one_gpu_stop_with_a_sentence(local_rank):
     """Every rank, rank 0 included, says it: NCCL would refuse the shared GPU later, with a traceback."""
     with pytest.raises(SystemExit, match=r"2 processes on this node but 1 GPU\(s\) visible.*--nproc_per_node=1"):
         device_for(torchrun(local_rank, 2), gpu_count=1)
+
+
+@pytest.mark.parametrize("environ", [{}, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}])
+def test_lightning_with_more_processes_than_gpus_says_what_to_run(environ):
+    """`mnist_5_lightning.py --devices 2` (or torchrun x2) on one GPU: Trainer() would raise Lightning's
+    MisconfigurationException; on the CPU, and on two GPUs, it goes ahead."""
+    from common.lightning_launch import check_launch
+    with pytest.raises(SystemExit, match=r"2 processes on this node need 2 GPUs and 1 are visible: run 1 "
+                                         r"\(--devices 1, or torchrun --nproc_per_node=1\), or hide the GPUs"):
+        check_launch(2, 1, environ, gpu_count=1)
+    check_launch(2, 1, environ, gpu_count=0)
+    check_launch(2, 1, environ, gpu_count=2)
+    check_launch("auto", 1, {}, gpu_count=1)
 
 
 def test_srun_gpus_per_task_shows_each_task_its_own_gpu():
@@ -67,7 +81,21 @@ def test_launchers_without_local_world_size_count_up_to_their_local_rank():
 
 def test_no_gpus_means_the_cpu_and_two_processes():
     assert device_for(torchrun(1, 2), gpu_count=0) == torch.device("cpu")
-    assert processes_for_this_machine() == (torch.cuda.device_count() or 2)
+    assert processes_for_this_machine(64, gpu_count=0) == 2
+    assert processes_note(2, 64, gpu_count=0) == "2 processes on the CPU"
+
+
+@pytest.mark.parametrize("global_batch", [64, 32, 128, 96])
+def test_processes_per_machine_divide_the_global_batch(global_batch):
+    """One per GPU where that count divides the batch, else the largest count that does (3 GPUs: 2)."""
+    chosen = {gpus: processes_for_this_machine(global_batch, gpu_count=gpus) for gpus in range(1, 9)}
+    for gpus, processes in chosen.items():
+        assert global_batch % processes == 0 and processes <= gpus
+        assert not any(global_batch % more == 0 for more in range(processes + 1, gpus + 1))
+    if global_batch == 64:
+        assert chosen == {1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 4, 8: 8}
+        assert processes_note(4, 64, gpu_count=6) == "4 processes of 6 GPU(s): the largest count that divides the global batch 64"
+        assert processes_note(8, 64, gpu_count=8) == "8 processes of 8 GPU(s)"
 
 
 # ---- what --precision auto means ----
@@ -163,6 +191,23 @@ def test_a_multi_process_config_runs_one_process_as_on_one_gpu(run_command, tiny
     result = run_command(*ACCELERATE, "--config_file", CH4 / "accelerate_configs" / "cpu_2_processes.yaml",
                          "--num_processes", "1", CH4 / "mnist_4_accelerate.py", "--data-dir", tiny_mnist)
     assert_ran(result, "1 processes on cpu")
+
+
+def test_cpu_config_runs_on_the_cpu_where_there_are_gpus(tmp_path):
+    """cpu_2_processes.yaml on a machine with GPUs (CUDA_VISIBLE_DEVICES unset, as there): each process
+    must see no GPU, or it would run NCCL on them. What torch would see is read from the variable
+    accelerate exports, as torch.cuda reads it; Accelerate's state, made as the scripts make it, says where."""
+    script = tmp_path / "where.py"
+    script.write_text("import sys, torch\nfrom accelerate import PartialState\n"
+                      "from common.distributed import detect_launch, device_for\n"
+                      "state = PartialState(cpu=device_for(detect_launch()).type == 'cpu')\n"
+                      "print(f'rank {state.process_index} of {state.num_processes}: {state.device.type} {state.backend} '\n"
+                      "      f'{torch.cuda._parse_visible_devices()}', file=open(f'{sys.argv[1]}/{state.process_index}', 'w'))\n")
+    environ = {key: value for key, value in offline_env().items() if key != "CUDA_VISIBLE_DEVICES"}
+    result = subprocess.run([*ACCELERATE, "--config_file", str(CH4 / "accelerate_configs" / "cpu_2_processes.yaml"),
+                             str(script), str(tmp_path)], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == [f"rank {rank} of 2: cpu gloo []\n" for rank in (0, 1)]
 
 
 # ---- evaluation with fewer examples than processes ----
