@@ -5,6 +5,7 @@ fp16 step does not advance the schedule. test_gpu.py runs the same paths on real
 """
 import os
 import re
+import shutil
 import subprocess
 import threading
 
@@ -15,7 +16,7 @@ import yaml
 
 from common.distributed import Launch, detect_launch, device_for, processes_for_this_machine, processes_note
 from common.precision import Autocast, accelerate_mixed_precision, auto_precision, optimizer_step
-from conftest import ACCELERATE, PYTHON, ROOT, TORCHRUN, assert_ran, offline_env
+from conftest import ACCELERATE, PYTHON, ROOT, TORCHRUN, assert_ran, offline_env, run_as_user
 
 CH4 = ROOT / "src" / "ch4"
 
@@ -208,6 +209,33 @@ def test_cpu_config_runs_on_the_cpu_where_there_are_gpus(tmp_path):
                              str(script), str(tmp_path)], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == [f"rank {rank} of 2: cpu gloo []\n" for rank in (0, 1)]
+
+
+def test_accelerate_ranks_build_the_same_model_before_prepare(tmp_path, tiny_bert, nli_pairs):
+    """Under FSDP2 (fsdp2_gpus.yaml, GPUs only) prepare() shards each rank's own weights and broadcasts
+    nothing, so nli_accelerate.py must build the same weights on every rank, the randomly initialized
+    classifier head included, which a pretrained checkpoint lacks (as bert-base-cased does: the tiny
+    BERT's head is removed). Recorded here as prepare() receives them, on 3 CPU processes."""
+    from safetensors.torch import load_file, save_file
+    pretrained = shutil.copytree(tiny_bert, tmp_path / "without-head")
+    weights = load_file(pretrained / "model.safetensors")
+    save_file({name: tensor for name, tensor in weights.items() if not name.startswith("classifier.")},
+              pretrained / "model.safetensors", metadata={"format": "pt"})
+    script = tmp_path / "record.py"
+    script.write_text("import sys\nimport torch\nimport torch.distributed as dist\nfrom accelerate import Accelerator\n"
+                      "sys.path.insert(0, 'src/ch4')\nimport nli_accelerate\nfrom common.nli import nli_parser\n\n"
+                      "def record(accelerator, model, *others):\n"
+                      "    torch.save(model.state_dict(), f'{sys.argv[1]}/{accelerator.process_index}.pt')\n"
+                      "    dist.destroy_process_group()\n    sys.exit(0)\n\n"
+                      "Accelerator.prepare = record\nnli_accelerate.training_function(nli_parser('').parse_args(sys.argv[2:]))\n")
+    result = run_as_user(*ACCELERATE, "--config_file", CH4 / "accelerate_configs" / "cpu_2_processes.yaml",
+                         "--num_processes", "3", script, tmp_path, "--model", pretrained, "--dataset", nli_pairs,
+                         "--batch-size", "6", timeout=240)
+    assert result.returncode == 0, result.stderr[:3000]
+    built = [torch.load(tmp_path / f"{rank}.pt", weights_only=True) for rank in range(3)]
+    assert any("classifier" in name for name in built[0])
+    for other in built[1:]:
+        assert all(torch.equal(built[0][name], other[name]) for name in built[0])
 
 
 # ---- evaluation with fewer examples than processes ----
