@@ -285,3 +285,12 @@ def test_cpu_suite_hides_gpus_from_what_it_starts(run_command):
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
     result = run_command(PYTHON, "-c", "import os, torch; print(repr(os.environ['CUDA_VISIBLE_DEVICES']), torch.cuda.device_count())")
     assert result.stdout.split() == ["''", "0"]
+
+
+def test_gpu_check_without_a_gpu_says_so_and_exits_0(run_command, tmp_path):
+    """make gpu-check on a machine without a GPU: one sentence, exit 0, and the results page left alone."""
+    page = tmp_path / "gpu_results.md"
+    result = run_command(PYTHON, "tools/gpu_check.py", "--data-dir", tmp_path, "--output", page)
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
+    assert result.stdout == "gpu-check: no CUDA GPU is visible on this machine, so there is nothing to check; run it where there is one.\n"
+    assert not page.exists()
