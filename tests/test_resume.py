@@ -127,22 +127,6 @@ def test_checkpoint_of_another_run_is_refused(uninterrupted, tiny_mnist, tmp_pat
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # nothing lost
 
 
-def test_checkpoint_of_another_precision_is_refused_the_other_way_round(uninterrupted, tiny_mnist, tmp_path):
-    """A bf16 run's checkpoint resumed in fp32 (the test above goes from fp32 to bf16). On the CPU the two
-    runs' checkpoints differ in the fingerprint only (neither has a loss-scaler state): rewriting it
-    stands in for a bf16 run. Only fp16 has that state, so across fp16 one side would crash on it and
-    the other drop it."""
-    folder = shutil.copytree(uninterrupted, tmp_path / "copy")
-    for path in folder.glob("step-*.pt"):
-        checkpoint = torch.load(path, weights_only=True)
-        torch.save({**checkpoint, "fingerprint": {**checkpoint["fingerprint"], "precision": "bf16"}}, path)
-    before = {path.name: path.read_bytes() for path in folder.iterdir()}
-    result = run(folder, tiny_mnist, "none", 2, restarts=0)
-    assert result.returncode != 0 and "belongs to another run (precision bf16 there, fp32 here)" in result.stderr, result.stderr[-3000:]
-    assert "]: Traceback" not in result.stderr, result.stderr[-3000:]
-    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # nothing lost
-
-
 def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path):
     """The tiny BERT: dropout in every layer and a linear schedule; 2 epochs of 10 steps, killed after 14."""
     data = (tiny_bert, nli_pairs)
@@ -186,9 +170,17 @@ def test_fsdp_checkpoint_of_another_world_size_is_refused(fsdp_uninterrupted, ti
 
 
 def test_fsdp_checkpoint_of_another_precision_is_refused_before_its_shards_load(fsdp_uninterrupted, tiny_mnist, tmp_path):
-    """Refused by the fingerprint, not by dcp.load, whose failure would blame the folder."""
+    """A bf16 run's sharded checkpoint resumed in fp32, the other way round from the DDP rungs' tests. On
+    the CPU the two runs' checkpoints differ in the fingerprint only (neither has a loss-scaler state), so
+    rewriting meta.pt stands in for a bf16 run. Refused by the fingerprint, not by dcp.load, whose failure
+    (an fp16 run finds no scaler.scale) would blame the folder."""
     folder = shutil.copytree(fsdp_uninterrupted, tmp_path / "copy")
-    result = run(folder, tiny_mnist, "none", 2, "--precision", "bf16", restarts=0, script="mnist_fsdp_resume.py")
+    for meta in folder.glob("step-*/meta.pt"):
+        metadata = torch.load(meta, weights_only=True)
+        torch.save({**metadata, "fingerprint": {**metadata["fingerprint"], "precision": "bf16"}}, meta)
+    before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+    result = run(folder, tiny_mnist, "none", 2, restarts=0, script="mnist_fsdp_resume.py")
     assert result.returncode != 0, result.stdout
-    assert "step-00000012 belongs to another run (precision fp32 there, bf16 here)" in result.stderr, result.stderr[-3000:]
+    assert "step-00000012 belongs to another run (precision bf16 there, fp32 here)" in result.stderr, result.stderr[-3000:]
     assert "]: Traceback" not in result.stderr, result.stderr[-3000:]
+    assert {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()} == before  # nothing lost

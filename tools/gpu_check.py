@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from common.machine import machine_name  # noqa: E402  (after the path above)
 from common.precision import autocast, grad_scaler, optimizer_step  # noqa: E402
-from mnist_speed import measure  # noqa: E402
 
 RESULTS = ROOT / "docs" / "gpu_results.md"
 NO_GPU = "gpu-check: no CUDA GPU is visible on this machine, so there is nothing to check; run it where there is one."
@@ -34,6 +33,7 @@ NO_GPU = "gpu-check: no CUDA GPU is visible on this machine, so there is nothing
 
 def mnist_rows(data_dir: str) -> dict[str, dict]:
     """One epoch per run, each a fresh process started as a user starts it (mnist_speed.measure)."""
+    from mnist_speed import measure
     python, ch4 = sys.executable, "src/ch4"
     data = ["--data-dir", data_dir]
     runs = {
