@@ -2,6 +2,7 @@
 #   make demo   # creates .venv if missing, installs the project, runs the MNIST ladder (single, then DDP x2)
 #   make test   # creates .venv if missing, installs the project, runs the test suite
 #   make figures  # redraws every figure in images/ from the code and from real runs (figures/, a few minutes)
+#   make gpu-check  # on a machine with a GPU: tests/test_gpu.py and the GPU benchmark rows into docs/gpu_results.md
 # DATA_DIR=path/with/MNIST/raw uses a local copy of MNIST instead of downloading it into ./data.
 
 PYTHON ?= python3
@@ -9,7 +10,7 @@ VENV ?= .venv
 DATA_DIR ?= data
 BIN := $(VENV)/bin
 
-.PHONY: demo test benchmark figures
+.PHONY: demo test benchmark figures gpu-check
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +25,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest
+
+# Without a GPU it says so in one sentence and exits 0. MNIST must be on this machine (DATA_DIR).
+gpu-check: $(VENV)/.installed
+	$(BIN)/python tools/gpu_check.py --data-dir $(DATA_DIR)
 
 benchmark: $(VENV)/.installed
 	$(BIN)/python benchmarks/mnist_speed.py --data-dir $(DATA_DIR) --plot images/mnist_speed_cpu.png

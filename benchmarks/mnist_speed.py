@@ -13,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.distributed import processes_for_this_machine
+from common.cli import mnist_parser
+from common.distributed import processes_for_this_machine, processes_note
 from plotting import bar_chart
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,13 +54,18 @@ def table(results: dict[str, dict[str, float]]) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", required=True, help="folder holding MNIST/raw (e.g. ../shared/data)")
-    parser.add_argument("--nproc", type=int, default=processes_for_this_machine(),
-                        help="processes for the DDP run (default: one per GPU, or 2 on a CPU)")
+    parser.add_argument("--nproc", type=int,
+                        help="processes for the DDP run (default: one per GPU, or 2 on a CPU, as many as divide the "
+                             "global batch)")
     parser.add_argument("--runs", nargs="+", choices=["reference", "single", "ddp"],
                         default=["reference", "single", "ddp"], help="which runs, in this order (default: all)")
     parser.add_argument("--plot", help="also save a bar chart to this PNG")
     parser.add_argument("--title", default="One MNIST epoch", help="plot title, e.g. the machine's name")
     args = parser.parse_args()
+    if args.nproc is None and "ddp" in args.runs:
+        global_batch = mnist_parser("").get_default("batch_size")
+        args.nproc = processes_for_this_machine(global_batch)
+        print(f"DDP run: {processes_note(args.nproc, global_batch)}", flush=True)
     available = runs(args.data_dir, args.nproc)
     results = {}
     for run in args.runs:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from common.distributed import processes_for_this_machine
+from common.distributed import processes_for_this_machine, processes_note
 from plotting import bar_chart
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,14 +57,17 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch (default: 32)")
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the throughput (default: 3)")
-    parser.add_argument("--nproc", type=int, default=processes_for_this_machine(),
-                        help="processes for ddp.py (default: one per GPU, or 2 on a CPU)")
+    parser.add_argument("--nproc", type=int,
+                        help="processes for ddp.py (default: one per GPU, or 2 on a CPU, as many as divide --batch-size)")
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--plot", help="also save a bar chart of samples/s to this PNG")
     parser.add_argument("--title", default="BERT fine-tuning throughput", help="plot title, e.g. the machine")
     args = parser.parse_args()
     if args.steps < args.warmup + 2:
         parser.error(f"--steps must be at least --warmup + 2 = {args.warmup + 2}, so that timed steps remain")
+    if args.nproc is None:
+        args.nproc = processes_for_this_machine(args.batch_size)
+        print(f"ddp.py: {processes_note(args.nproc, args.batch_size)}", flush=True)
     gpus = torch.cuda.device_count()
     with tempfile.TemporaryDirectory() as folder:
         pairs = Path(folder) / "pairs.jsonl"

@@ -10,7 +10,7 @@ run was). This module does what is easy to get wrong:
     one is safely on disk is the oldest deleted;
   - loading takes the newest checkpoint that torch.load(weights_only=True) accepts and says which,
     skipping (with a warning) a corrupt file or a temporary one left by a kill during a save;
-  - a checkpoint written by another world size, or for another global batch, dataset or seed,
+  - a checkpoint written by another world size, or for another global batch, dataset, seed or precision,
     stops the run with one sentence instead of resuming into a different run.
 The folder must be one that every node sees (a shared filesystem): rank 0 picks the file, all ranks read it.
 """

@@ -92,9 +92,20 @@ def device_for(launch: Launch = Launch(0, 0, 1, "python"), gpu_count: int | None
     return torch.device("cuda", launch.local_rank)
 
 
-def processes_for_this_machine() -> int:
-    """How many processes the demo and benchmarks start: one per GPU, or 2 on a CPU."""
-    return torch.cuda.device_count() or 2
+def processes_for_this_machine(global_batch: int, gpu_count: int | None = None) -> int:
+    """How many processes the demo, the benchmarks and the notebooks start: one per GPU (2 on a CPU), or
+    fewer where that count does not divide the global batch (each process takes an equal share): the
+    largest count that does, so 3 GPUs run 2 processes for a batch of 64, and 6 GPUs run 4."""
+    available = (torch.cuda.device_count() if gpu_count is None else gpu_count) or 2
+    return max(count for count in range(1, available + 1) if global_batch % count == 0)
+
+
+def processes_note(processes: int, global_batch: int, gpu_count: int | None = None) -> str:
+    """What processes_for_this_machine chose, in words, for the demo and benchmarks to print."""
+    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
+    where = f"of {gpus} GPU(s)" if gpus else "on the CPU"
+    unused = f": the largest count that divides the global batch {global_batch}" if processes < (gpus or 2) else ""
+    return f"{processes} processes {where}{unused}"
 
 
 def backend_for(device: torch.device) -> str:

@@ -10,6 +10,8 @@ Lightning starts on this node (auto: every GPU, or one CPU process).
 import os
 import sys
 
+import torch
+
 from common.cli import positive_int
 from common.distributed import detect_launch
 
@@ -36,9 +38,14 @@ def add_trainer_flags(parser, environ=os.environ):
     return parser
 
 
-def check_launch(devices: int | str, num_nodes: int, environ=os.environ) -> None:
+def check_launch(devices: int | str, num_nodes: int, environ=os.environ, gpu_count: int | None = None) -> None:
     """Stop with one sentence where Lightning would raise in fit(), or misread the launch and hang."""
     launch = detect_launch(environ)
+    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
+    if launch.launcher != "slurm" and devices != "auto" and 0 < gpus < devices:  # else Lightning's MisconfigurationException
+        sys.exit(f"error: {devices} processes on this node need {devices} GPUs and {gpus} are visible: run "
+                 f"{gpus} (--devices {gpus}, or torchrun --nproc_per_node={gpus}), or hide the GPUs with "
+                 f"CUDA_VISIBLE_DEVICES= to run {devices} processes on the CPU.")
     if launch.launcher == "slurm" and environ.get("SLURM_JOB_NAME") in INTERACTIVE_JOB_NAMES:
         sys.exit(f"error: Lightning ignores SLURM's variables in a job named '{environ['SLURM_JOB_NAME']}' (an "
                  "interactive salloc shell), so the srun tasks would not form one process group; give the step "

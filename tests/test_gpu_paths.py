@@ -5,6 +5,8 @@ fp16 step does not advance the schedule. test_gpu.py runs the same paths on real
 """
 import os
 import re
+import shutil
+import subprocess
 import threading
 
 import pytest
@@ -12,9 +14,9 @@ import torch
 import torch.nn as nn
 import yaml
 
-from common.distributed import Launch, detect_launch, device_for, processes_for_this_machine
+from common.distributed import Launch, detect_launch, device_for, processes_for_this_machine, processes_note
 from common.precision import Autocast, accelerate_mixed_precision, auto_precision, optimizer_step
-from conftest import ACCELERATE, PYTHON, ROOT, TORCHRUN, assert_ran
+from conftest import ACCELERATE, PYTHON, ROOT, TORCHRUN, assert_ran, offline_env, run_as_user
 
 CH4 = ROOT / "src" / "ch4"
 
@@ -36,6 +38,19 @@ def test_two_processes_on_one_gpu_stop_with_a_sentence(local_rank):
     """Every rank, rank 0 included, says it: NCCL would refuse the shared GPU later, with a traceback."""
     with pytest.raises(SystemExit, match=r"2 processes on this node but 1 GPU\(s\) visible.*--nproc_per_node=1"):
         device_for(torchrun(local_rank, 2), gpu_count=1)
+
+
+@pytest.mark.parametrize("environ", [{}, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}])
+def test_lightning_with_more_processes_than_gpus_says_what_to_run(environ):
+    """`mnist_5_lightning.py --devices 2` (or torchrun x2) on one GPU: Trainer() would raise Lightning's
+    MisconfigurationException; on the CPU, and on two GPUs, it goes ahead."""
+    from common.lightning_launch import check_launch
+    with pytest.raises(SystemExit, match=r"2 processes on this node need 2 GPUs and 1 are visible: run 1 "
+                                         r"\(--devices 1, or torchrun --nproc_per_node=1\), or hide the GPUs"):
+        check_launch(2, 1, environ, gpu_count=1)
+    check_launch(2, 1, environ, gpu_count=0)
+    check_launch(2, 1, environ, gpu_count=2)
+    check_launch("auto", 1, {}, gpu_count=1)
 
 
 def test_srun_gpus_per_task_shows_each_task_its_own_gpu():
@@ -67,7 +82,21 @@ def test_launchers_without_local_world_size_count_up_to_their_local_rank():
 
 def test_no_gpus_means_the_cpu_and_two_processes():
     assert device_for(torchrun(1, 2), gpu_count=0) == torch.device("cpu")
-    assert processes_for_this_machine() == (torch.cuda.device_count() or 2)
+    assert processes_for_this_machine(64, gpu_count=0) == 2
+    assert processes_note(2, 64, gpu_count=0) == "2 processes on the CPU"
+
+
+@pytest.mark.parametrize("global_batch", [64, 32, 128, 96])
+def test_processes_per_machine_divide_the_global_batch(global_batch):
+    """One per GPU where that count divides the batch, else the largest count that does (3 GPUs: 2)."""
+    chosen = {gpus: processes_for_this_machine(global_batch, gpu_count=gpus) for gpus in range(1, 9)}
+    for gpus, processes in chosen.items():
+        assert global_batch % processes == 0 and processes <= gpus
+        assert not any(global_batch % more == 0 for more in range(processes + 1, gpus + 1))
+    if global_batch == 64:
+        assert chosen == {1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 4, 8: 8}
+        assert processes_note(4, 64, gpu_count=6) == "4 processes of 6 GPU(s): the largest count that divides the global batch 64"
+        assert processes_note(8, 64, gpu_count=8) == "8 processes of 8 GPU(s)"
 
 
 # ---- what --precision auto means ----
@@ -165,6 +194,50 @@ def test_a_multi_process_config_runs_one_process_as_on_one_gpu(run_command, tiny
     assert_ran(result, "1 processes on cpu")
 
 
+def test_cpu_config_runs_on_the_cpu_where_there_are_gpus(tmp_path):
+    """cpu_2_processes.yaml on a machine with GPUs (CUDA_VISIBLE_DEVICES unset, as there): each process
+    must see no GPU, or it would run NCCL on them. What torch would see is read from the variable
+    accelerate exports, as torch.cuda reads it; Accelerate's state, made as the scripts make it, says where."""
+    script = tmp_path / "where.py"
+    script.write_text("import sys, torch\nfrom accelerate import PartialState\n"
+                      "from common.distributed import detect_launch, device_for\n"
+                      "state = PartialState(cpu=device_for(detect_launch()).type == 'cpu')\n"
+                      "print(f'rank {state.process_index} of {state.num_processes}: {state.device.type} {state.backend} '\n"
+                      "      f'{torch.cuda._parse_visible_devices()}', file=open(f'{sys.argv[1]}/{state.process_index}', 'w'))\n")
+    environ = {key: value for key, value in offline_env().items() if key != "CUDA_VISIBLE_DEVICES"}
+    result = subprocess.run([*ACCELERATE, "--config_file", str(CH4 / "accelerate_configs" / "cpu_2_processes.yaml"),
+                             str(script), str(tmp_path)], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == [f"rank {rank} of 2: cpu gloo []\n" for rank in (0, 1)]
+
+
+def test_accelerate_ranks_build_the_same_model_before_prepare(tmp_path, tiny_bert, nli_pairs):
+    """Under FSDP2 (fsdp2_gpus.yaml, GPUs only) prepare() shards each rank's own weights and broadcasts
+    nothing, so nli_accelerate.py must build the same weights on every rank, the randomly initialized
+    classifier head included, which a pretrained checkpoint lacks (as bert-base-cased does: the tiny
+    BERT's head is removed). Recorded here as prepare() receives them, on 3 CPU processes."""
+    from safetensors.torch import load_file, save_file
+    pretrained = shutil.copytree(tiny_bert, tmp_path / "without-head")
+    weights = load_file(pretrained / "model.safetensors")
+    save_file({name: tensor for name, tensor in weights.items() if not name.startswith("classifier.")},
+              pretrained / "model.safetensors", metadata={"format": "pt"})
+    script = tmp_path / "record.py"
+    script.write_text("import sys\nimport torch\nimport torch.distributed as dist\nfrom accelerate import Accelerator\n"
+                      "sys.path.insert(0, 'src/ch4')\nimport nli_accelerate\nfrom common.nli import nli_parser\n\n"
+                      "def record(accelerator, model, *others):\n"
+                      "    torch.save(model.state_dict(), f'{sys.argv[1]}/{accelerator.process_index}.pt')\n"
+                      "    dist.destroy_process_group()\n    sys.exit(0)\n\n"
+                      "Accelerator.prepare = record\nnli_accelerate.training_function(nli_parser('').parse_args(sys.argv[2:]))\n")
+    result = run_as_user(*ACCELERATE, "--config_file", CH4 / "accelerate_configs" / "cpu_2_processes.yaml",
+                         "--num_processes", "3", script, tmp_path, "--model", pretrained, "--dataset", nli_pairs,
+                         "--batch-size", "6", timeout=240)
+    assert result.returncode == 0, result.stderr[:3000]
+    built = [torch.load(tmp_path / f"{rank}.pt", weights_only=True) for rank in range(3)]
+    assert any("classifier" in name for name in built[0])
+    for other in built[1:]:
+        assert all(torch.equal(built[0][name], other[name]) for name in built[0])
+
+
 # ---- evaluation with fewer examples than processes ----
 
 @pytest.mark.parametrize("script", ["ddp.py", "nli_ddp_minimal.py", "nli_fsdp.py"])
@@ -212,3 +285,12 @@ def test_cpu_suite_hides_gpus_from_what_it_starts(run_command):
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
     result = run_command(PYTHON, "-c", "import os, torch; print(repr(os.environ['CUDA_VISIBLE_DEVICES']), torch.cuda.device_count())")
     assert result.stdout.split() == ["''", "0"]
+
+
+def test_gpu_check_without_a_gpu_says_so_and_exits_0(run_command, tmp_path):
+    """make gpu-check on a machine without a GPU: one sentence, exit 0, and the results page left alone."""
+    page = tmp_path / "gpu_results.md"
+    result = run_command(PYTHON, "tools/gpu_check.py", "--data-dir", tmp_path, "--output", page)
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
+    assert result.stdout == "gpu-check: no CUDA GPU is visible on this machine, so there is nothing to check; run it where there is one.\n"
+    assert not page.exists()

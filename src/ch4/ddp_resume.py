@@ -110,7 +110,8 @@ def main(args):
     scaler = grad_scaler(device, precision)
     checkpoints = Checkpoints(args.checkpoint_dir, args.checkpoint_every, device=device,  # STEP: what must match to resume:
                               fingerprint={"global batch": args.batch_size, "training pairs": len(train_set),  # STEP
-                                           "seed": args.seed, "steps": total_steps, "model": args.model})  # STEP
+                                           "seed": args.seed, "steps": total_steps, "model": args.model,  # STEP
+                                           "precision": precision})  # STEP: only fp16 has a loss-scaler state to resume
     state = checkpoints.load_newest()  # STEP: None on a fresh start; restores this rank's random state
     position = Position(**state["position"]) if state else Position()  # STEP
     if state:  # STEP

@@ -107,7 +107,8 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
     checkpoints = Checkpoints(args.checkpoint_dir, args.checkpoint_every, device=device,  # STEP: what must match to resume:
-                              fingerprint={"global batch": args.batch_size, "training images": len(train_set), "seed": args.seed})  # STEP
+                              fingerprint={"global batch": args.batch_size, "training images": len(train_set), "seed": args.seed,  # STEP
+                                           "precision": precision})  # STEP: only fp16 has a loss-scaler state to resume
     state = checkpoints.load_newest()  # STEP: None on a fresh start; restores this rank's random state
     position = Position(**state["position"]) if state else Position()  # STEP
     if state:  # STEP

@@ -117,7 +117,8 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
     checkpoints = ShardedCheckpoints(args.checkpoint_dir, args.checkpoint_every, device=device,  # STEP: what must match to resume:
-                                     fingerprint={"global batch": args.batch_size, "training images": len(train_set), "seed": args.seed})  # STEP
+                                     fingerprint={"global batch": args.batch_size, "training images": len(train_set), "seed": args.seed,  # STEP
+                                                  "precision": precision})  # STEP: only fp16 has a loss-scaler state to resume
     state = checkpoints.load_newest(lambda: training_state(model, optimizer, scaler))  # STEP: dcp.load fills this run's dicts in place
     position = Position(**state["position"]) if state else Position()  # STEP
     if state:  # STEP

@@ -78,9 +78,12 @@ def training_function(args):  # STEP: what notebook_launcher runs in each proces
     device = accelerator.device  # STEP
     if device.type == "cpu" and accelerator.num_processes > 1:  # STEP: as torchrun's OMP_NUM_THREADS=1, and a must when
         torch.set_num_threads(1)  # STEP: notebook_launcher forks a kernel whose OpenMP threads the child lacks (it would hang)
-    torch.manual_seed(args.seed + accelerator.process_index)  # STEP: own dropout masks; prepare() syncs the weights
-
+    # STEP: every rank builds the same classifier head: under DDP prepare() would copy rank 0's weights to all,
+    # STEP: but under FSDP2 (fsdp2_gpus.yaml) it shards each rank's own and broadcasts nothing
+    torch.manual_seed(args.seed)  # STEP
     model, tokenizer = load_model_and_tokenizer(args.model)
+    torch.manual_seed(args.seed + accelerator.process_index)  # STEP: then each rank its own dropout masks
+
     train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples, args.max_eval_samples)
     train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length) for pairs in (train_pairs, eval_pairs))
     batch_size = per_process_batch(args.batch_size, accelerator.num_processes)  # STEP

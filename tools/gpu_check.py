@@ -1,0 +1,134 @@
+"""Every GPU check in one command (`make gpu-check`): tests/test_gpu.py, then the GPU rows of the
+benchmarks, written as one Markdown table, with the device and the software named, to docs/gpu_results.md.
+
+    python tools/gpu_check.py --data-dir data      # MNIST/raw under data/; about 5 minutes on one H100
+
+The rows: one MNIST epoch on one GPU for the reference loop (benchmarks/reference_mnist.py), for
+mnist_1_single.py in fp32 and bf16, for mnist_3_ddp.py under torchrun with 1 process and for
+mnist_4_accelerate.py under accelerate launch with 1 process; then the training throughput of a
+BERT-base-sized classifier (BertConfig's defaults: 12 layers, hidden 768, random weights, nothing
+downloaded) at global batch 128 and 128 tokens, in fp32, bf16 and fp16, after a warm-up, with the peak
+GPU memory (torch.cuda.max_memory_allocated). Without a GPU it says so in one sentence and exits 0.
+MNIST must be on the GPU machine itself: where the repository is copied there (a working tree sent to
+a lent machine), a folder beside it such as ../shared/data does not travel, so copy MNIST/raw into the
+repository first (cp -r ../shared/data/MNIST data/, ignored by git) and carry that folder along.
+"""
+import argparse
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from common.machine import machine_name  # noqa: E402  (after the path above)
+from common.precision import autocast, grad_scaler, optimizer_step  # noqa: E402
+
+RESULTS = ROOT / "docs" / "gpu_results.md"
+NO_GPU = "gpu-check: no CUDA GPU is visible on this machine, so there is nothing to check; run it where there is one."
+
+
+def mnist_rows(data_dir: str) -> dict[str, dict]:
+    """One epoch per run, each a fresh process started as a user starts it (mnist_speed.measure)."""
+    from mnist_speed import measure
+    python, ch4 = sys.executable, "src/ch4"
+    data = ["--data-dir", data_dir]
+    runs = {
+        ("MNIST epoch: reference loop (per-sample transforms)", "fp32"): [python, "benchmarks/reference_mnist.py", *data],
+        ("MNIST epoch: mnist_1_single.py", "fp32"): [python, f"{ch4}/mnist_1_single.py", *data, "--precision", "fp32"],
+        ("MNIST epoch: mnist_1_single.py", "bf16"): [python, f"{ch4}/mnist_1_single.py", *data, "--precision", "bf16"],
+        ("MNIST epoch: mnist_3_ddp.py, torchrun, 1 process", "bf16"):
+            [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", f"{ch4}/mnist_3_ddp.py", *data,
+             "--precision", "bf16"],
+        ("MNIST epoch: mnist_4_accelerate.py, accelerate launch, 1 process", "fp16"):
+            [python, "-m", "accelerate.commands.launch", "--config_file", f"{ch4}/accelerate_configs/multi_gpu_fp16.yaml",
+             "--num_processes", "1", f"{ch4}/mnist_4_accelerate.py", *data],
+    }
+    rows = {}
+    for name, command in runs.items():
+        print(f"running: {' '.join(command)}", flush=True)
+        rows[name] = measure(command)
+    return rows
+
+
+def bert_base_row(precision: str, batch: int = 128, tokens: int = 128, warmup: int = 3, steps: int = 10) -> dict:
+    """Training samples/s of a BERT-base-sized classifier on one GPU, and the peak memory of its steps."""
+    from transformers import BertConfig, BertForSequenceClassification
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(num_labels=3)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    scaler = grad_scaler(device, precision)
+    ids = torch.randint(1000, 30000, (batch, tokens), device=device)
+    labels = torch.randint(0, 3, (batch,), device=device)
+    torch.cuda.reset_peak_memory_stats(device)
+    for step in range(warmup + steps):
+        if step == warmup:
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+        with autocast(device, precision):
+            loss = torch.nn.functional.cross_entropy(model(input_ids=ids).logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        optimizer_step(optimizer, scaler)
+    torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return {"samples_per_s": steps * batch / seconds, "peak_gib": peak}
+
+
+def software() -> str:
+    import accelerate
+    import lightning
+    import transformers
+    return (f"Python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+            f"transformers {transformers.__version__}, accelerate {accelerate.__version__}, lightning {lightning.__version__}")
+
+
+def page(tests: str, mnist: dict, bert: dict, device: str, seconds: float) -> str:
+    lines = ["# Results on a GPU", "",
+             "Written by `make gpu-check` ([`tools/gpu_check.py`](../tools/gpu_check.py)); run it on a machine with",
+             "a GPU to replace this page. MNIST rows: one training epoch (evaluation and start-up not counted),",
+             "global batch 64. BERT-base rows: BertConfig's default sizes with random weights, global batch 128",
+             "of 128 tokens, throughput after 3 warm-up steps, peak memory as `torch.cuda.max_memory_allocated`.",
+             "", f"Device: {device}, one GPU. Software: {software()}.", "",
+             f"`tests/test_gpu.py`: {tests}", "",
+             "| run | precision | train s | samples/s | test accuracy | peak GPU memory |",
+             "|---|---|---:|---:|---:|---:|"]
+    for (name, precision), r in mnist.items():
+        lines.append(f"| {name} | {precision} | {r['seconds']:.1f} | {r['samples_per_s']:.0f} | {r['accuracy']:.2f}% | |")
+    for precision, r in bert.items():
+        lines.append(f"| BERT-base-sized fine-tuning, 1 GPU | {precision} | | {r['samples_per_s']:.0f} | "
+                     f"| {r['peak_gib']:.1f} GiB |")
+    lines += ["", f"The whole check took {seconds / 60:.1f} minutes."]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", default="data", help="folder holding MNIST/raw, on this machine (default: data)")
+    parser.add_argument("--output", type=Path, default=RESULTS, help=f"the page to write (default: {RESULTS.relative_to(ROOT)})")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(NO_GPU)
+        return
+    start = time.perf_counter()
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)
+    summary = (tests.stdout.strip().splitlines() or ["(no output)"])[-1].strip("= ")
+    print(f"tests/test_gpu.py: {summary}", flush=True)
+    mnist = mnist_rows(args.data_dir)
+    bert = {precision: bert_base_row(precision) for precision in ("fp32", "bf16", "fp16")}
+    args.output.write_text(page(summary, mnist, bert, machine_name(torch.device("cuda", 0)), time.perf_counter() - start))
+    print(args.output.read_text())
+    if tests.returncode:
+        sys.exit(f"error: tests/test_gpu.py failed:\n{tests.stdout[-3000:]}")
+
+
+if __name__ == "__main__":
+    main()
