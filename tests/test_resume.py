@@ -133,7 +133,7 @@ def test_truncated_checkpoint_falls_back_to_the_one_before(uninterrupted, tiny_m
     (1, [], "was written by 3 processes and this run has 1; each rank's data position and random state"),
     (3, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),
     (1, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),  # the run first, then the processes
-    (2, ["--precision", "bf16"], "belongs to another run (precision fp32 there, bf16 here)"),
+    (3, ["--precision", "bf16"], "belongs to another run (precision fp32 there, bf16 here)"),
 ])
 def test_checkpoint_of_another_run_is_refused(uninterrupted, tiny_mnist, tmp_path, processes, flags, phrase):
     folder = shutil.copytree(uninterrupted, tmp_path / "copy")
@@ -158,8 +158,9 @@ def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path, precisi
     assert bitwise_equal(final_state(killed), final_state(uninterrupted))
     schedule = torch.load(killed / "step-00000020.pt", weights_only=True)["scheduler"]
     assert schedule["last_epoch"] == 20 and schedule["_last_lr"] == [0.0]  # the decay went on from step 12, to its end
-    refused = run(uninterrupted, data, "none", 2, "--precision", "bf16", restarts=0, script="ddp_resume.py")
-    assert refused.returncode != 0 and "(precision fp32 there, bf16 here)" in refused.stderr, refused.stderr[-3000:]
+    if precision == ["--precision", "fp32"]:
+        refused = run(uninterrupted, data, "none", 3, "--precision", "bf16", restarts=0, script="ddp_resume.py")
+        assert refused.returncode != 0 and "(precision fp32 there, bf16 here)" in refused.stderr, refused.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +202,7 @@ def test_fsdp_checkpoint_of_another_precision_is_refused_before_its_shards_load(
         metadata = torch.load(meta, weights_only=True)
         torch.save({**metadata, "fingerprint": {**metadata["fingerprint"], "precision": "bf16"}}, meta)
     before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
-    result = run(folder, tiny_mnist, "none", 2, restarts=0, script="mnist_fsdp_resume.py")
+    result = run(folder, tiny_mnist, "none", 3, restarts=0, script="mnist_fsdp_resume.py")
     assert result.returncode != 0, result.stdout
     assert "step-00000012 belongs to another run (precision bf16 there, fp32 here)" in result.stderr, result.stderr[-3000:]
     assert "]: Traceback" not in result.stderr, result.stderr[-3000:]
