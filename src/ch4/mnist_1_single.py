@@ -4,7 +4,7 @@ The baseline that the next steps parallelise, in its plainest form: a sampler th
 training set, a loop of forward, loss, backward and optimizer step, and an evaluation that counts
 correct predictions over the whole test set.
 
-Run from the repository root (add --data-dir ../shared/data to use a local copy of MNIST):
+Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
     python src/ch4/mnist_1_single.py                     # the first GPU if there is one, else the CPU
     python src/ch4/mnist_1_single.py --precision bf16    # bf16 autocast
     python src/ch4/mnist_1_single.py --loader classic    # per-sample PIL transforms, as in most tutorials

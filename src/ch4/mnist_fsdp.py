@@ -16,7 +16,7 @@ rank receives the average of its own piece only, and AdamW updates that piece. W
     as many) replaces DistributedEvalSampler, and each rank scores only the images before its repeats
     (they come last), so that every test image still counts exactly once.
 
-Run from the repository root (add --data-dir ../shared/data to use a local copy of MNIST):
+Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
     torchrun --nproc_per_node=2 src/ch4/mnist_fsdp.py       # 2 processes: 2 GPUs, or 2 CPU processes (gloo)
     torchrun --nproc_per_node=gpu src/ch4/mnist_fsdp.py     # one process per visible GPU
 On a CPU torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores.
