@@ -10,12 +10,14 @@ import pytest
 from conftest import ROOT
 
 MNIST_LADDER = ["mnist_1_single.py", "mnist_2_data_parallel.py", "mnist_3_ddp.py", "mnist_4_accelerate.py"]
+# Paths under src/ch4/: the seed's ladder at its root, each later chapter in the folder of its docs page.
 STEPS = [*zip(MNIST_LADDER, MNIST_LADDER[1:]),  # each script is one step from the one before it
-         ("mnist_3_ddp.py", "mnist_3_ddp_resume.py"),  # a side step: the same script, restartable
-         ("data_parallel.py", "nli_loss_in_forward.py"), ("data_parallel.py", "ddp.py"), ("ddp.py", "ddp_resume.py"),
+         ("mnist_3_ddp.py", "resume/mnist_3_ddp_resume.py"),  # a side step: the same script, restartable
+         ("data_parallel.py", "nli_loss_in_forward.py"), ("data_parallel.py", "ddp.py"),
+         ("ddp.py", "resume/ddp_resume.py"),
          ("ddp.py", "nli_accelerate.py"), ("nli_dp_minimal.py", "nli_ddp_minimal.py"),
-         ("mnist_3_ddp.py", "mnist_fsdp.py"), ("ddp.py", "nli_fsdp.py"),
-         ("mnist_fsdp.py", "mnist_fsdp_resume.py"),  # the FSDP script, restartable: sharded checkpoints
+         ("mnist_3_ddp.py", "sharded/mnist_fsdp.py"), ("ddp.py", "sharded/nli_fsdp.py"),
+         ("sharded/mnist_fsdp.py", "resume/mnist_fsdp_resume.py"),  # the FSDP script, restartable: sharded checkpoints
          ("mnist_3_ddp.py", "mnist_5_lightning.py")]  # Lightning, like Accelerate, takes over step 3's plumbing
 BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py"]
 MARK = "# STEP"
@@ -81,8 +83,10 @@ def test_base_scripts_mark_nothing(base):
 
 
 def test_every_chapter_script_is_checked():
+    """In every chapter folder too: a script added to src/ch4/resume/ without a parent is caught here."""
     checked = {name for pair in STEPS for name in pair} | set(BASES)
-    assert checked == {path.name for path in (ROOT / "src" / "ch4").glob("*.py")}
+    ch4 = ROOT / "src" / "ch4"
+    assert checked == {path.relative_to(ch4).as_posix() for path in ch4.rglob("*.py")}
 
 
 def test_the_check_above_catches_an_unmarked_change():
@@ -106,7 +110,7 @@ OPTIONAL = {"slurm/site_env.sh"}  # a site's own file, which the job scripts sou
 
 def documented_paths():
     texts = [ROOT / "README.md", ROOT / "slurm" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-             *sorted((ROOT / "src" / "ch4").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")),
+             *sorted((ROOT / "src" / "ch4").rglob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")),
              *sorted((ROOT / "figures").glob("*.py")), *sorted((ROOT / "slurm").glob("*.s*"))]
     return sorted({(text.name, path) for text in texts for path in PATH.findall(text.read_text())
                    if path not in OPTIONAL})
