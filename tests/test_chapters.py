@@ -143,3 +143,56 @@ def test_the_readme_is_a_map():
     assert len((ROOT / "README.md").read_text().splitlines()) < 150
     linked = set(re.findall(r"\]\((docs/[\w.]+\.md)\)", (ROOT / "README.md").read_text()))
     assert linked == {f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md")}  # every page is on the map
+
+
+# ---- the change shown inline on each chapter page is the script's own text ----
+
+CHAPTER_PAGES = ["mnist.md", "bert.md", "inside_ddp.md", "resume.md", "sharded.md", "lightning.md"]
+EXCERPT = re.compile(r"^```python from=(\S+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+GAP = "..."  # a line of its own in an excerpt: lines of the script left out here
+
+
+def excerpts(page):
+    """(path, lines) of each fenced block the page marks ```python from=PATH: an excerpt of that file."""
+    return [(path, text.splitlines()) for path, text in EXCERPT.findall((ROOT / "docs" / page).read_text())]
+
+
+def not_in(excerpt, source):
+    """The first run of the excerpt's lines (runs are split at GAP lines) that the source lacks, verbatim and
+    after the run before it; None when the whole excerpt is the source's text in the source's order."""
+    position = 0
+    for run in "\n".join(excerpt).split(f"\n{GAP}\n"):
+        lines = run.splitlines()
+        found = next((i for i in range(position, len(source) - len(lines) + 1) if source[i:i + len(lines)] == lines), None)
+        if found is None:
+            return run
+        position = found + len(lines)
+    return None
+
+
+@pytest.mark.parametrize("page, index", [(page, i) for page in CHAPTER_PAGES for i in range(len(excerpts(page)))])
+def test_each_excerpt_on_a_page_is_the_scripts_text(page, index):
+    path, excerpt = excerpts(page)[index]
+    missing = not_in(excerpt, (ROOT / path).read_text().splitlines())
+    assert missing is None, f"docs/{page} shows lines of {path} that it does not hold, in this order:\n{missing}"
+    if path.startswith("src/ch4/"):
+        assert any(MARK in line for line in excerpt), f"docs/{page}: an excerpt of {path} with no `{MARK}` line"
+
+
+@pytest.mark.parametrize("page", CHAPTER_PAGES)
+def test_each_chapter_page_shows_its_change_inline(page):
+    assert excerpts(page), f"docs/{page} shows no excerpt (```python from=PATH)"
+
+
+def test_an_excerpt_stops_matching_when_the_script_changes():
+    """Negative control: one character edited in the script, or two runs of the excerpt swapped, is caught."""
+    path, excerpt = excerpts("mnist.md")[0]
+    source = (ROOT / path).read_text().splitlines()
+    assert not_in(excerpt, source) is None
+    line = next(i for i, text in enumerate(source) if text == next(e for e in excerpt if MARK in e))
+    edited = [*source[:line], source[line].replace("(", "( ", 1), *source[line + 1:]]
+    assert not_in(excerpt, edited) is not None
+    runs = "\n".join(excerpt).split(f"\n{GAP}\n")
+    if len(runs) > 1:
+        swapped = f"\n{GAP}\n".join([runs[1], runs[0], *runs[2:]]).splitlines()
+        assert not_in(swapped, source) is not None
