@@ -7,14 +7,27 @@ def bar_chart(values: dict[str, float], annotations: list[str], xlabel: str, tit
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 0.5 + 0.55 * len(values)))
     bars = ax.barh(list(values), list(values.values()), color="#1f77b4")
-    ax.bar_label(bars, annotations, padding=3)
+    labels = ax.bar_label(bars, annotations, padding=3)
     ax.invert_yaxis()
-    ax.set_xlim(0, max(values.values()) * 1.35)
+    ax.set_xlim(0, max(values.values()) * 1.05)
     ax.set_xlabel(xlabel)
     ax.set_title(title)
-    fig.tight_layout()
+    fit_labels(fig, ax, labels)
     fig.savefig(path, dpi=120)
     print(f"saved {path}")
+
+
+def fit_labels(fig, ax, labels) -> None:
+    """Widen the x axis until every label beside a bar ends inside it: a label's length is text, not
+    data, so a fixed margin clips long ones."""
+    for _ in range(5):
+        fig.tight_layout()
+        right = max(label.get_window_extent(fig.canvas.get_renderer()).x1 for label in labels)
+        lo, hi = ax.get_xlim()
+        needed = ax.transData.inverted().transform((right, 0))[0]
+        if needed <= hi:
+            return
+        ax.set_xlim(lo, lo + (needed - lo) * 1.04)
 
 
 def stacked_memory_chart(rows, runs: list[str], title: str, path: str) -> None:
