@@ -168,6 +168,7 @@ def test_dp_vs_ddp_figure(tmp_path):
     assert all_reduce == 2 * bytes_sent_per_rank("ring", mnist["param_bytes"], 4)
     dp_vs_ddp.draw(tmp_path / "dp_vs_ddp.svg")
     assert_same_bytes(tmp_path / "dp_vs_ddp.svg", ROOT / "images" / "dp_vs_ddp.svg")
+    assert dp_vs_ddp.markdown_tables() in (ROOT / "docs" / "mnist.md").read_text()  # the numbers the page shows
 
 
 # ---- measured: 3, 6, 7
