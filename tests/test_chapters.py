@@ -198,3 +198,10 @@ def test_an_excerpt_stops_matching_when_the_script_changes():
     if len(runs) > 1:
         swapped = f"\n{GAP}\n".join([runs[1], runs[0], *runs[2:]]).splitlines()
         assert not_in(swapped, source) is not None
+
+
+@pytest.mark.parametrize("page", sorted(path.name for path in (ROOT / "docs").glob("*.md")))
+def test_no_two_figures_are_stacked_without_text_between(page):
+    lines = [line for line in (ROOT / "docs" / page).read_text().splitlines() if line.strip()]
+    stacked = [a for a, b in zip(lines, lines[1:]) if a.startswith("![") and b.startswith("![")]
+    assert not stacked, f"docs/{page}: a figure follows {stacked[0]} with no sentence between them"
