@@ -9,7 +9,7 @@ Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR read
     python src/ch4/mnist_1_single.py --precision bf16    # bf16 autocast
     python src/ch4/mnist_1_single.py --loader classic    # per-sample PIL transforms, as in most tutorials
 
-Each later step marks the lines it changes with `# STEP`: `grep -n "# STEP" src/ch4/*.py`.
+Each later step marks the lines it changes with `# STEP`: `grep -rn "# STEP" src/ch4`.
 """
 import time
 
