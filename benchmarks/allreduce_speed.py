@@ -95,6 +95,12 @@ def plot(rows: list[tuple], path: str, title: str) -> None:
             points = [(s, bus_bandwidth(s, t, w) / 1e9) for w, s, n, t, _ in rows if w == world_size and n == name]
             ax.plot(*zip(*points), marker="o", color=color, label=name)
             ax.axhline(model[name] / 1e9, color=color, ls="--", lw=1, alpha=0.7)
+        same_model = {}  # algorithms the cost model gives one value share one dashed line: name them on it
+        for name in CONTENDERS:
+            same_model.setdefault(round(model[name] / 1e9, 9), []).append(name.split(" ")[0])
+        for value, names in same_model.items():
+            ax.annotate("model: " + ", ".join(names), (sizes[0], value), xytext=(0, 2), textcoords="offset points",
+                        fontsize=7, va="bottom")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [human(s) for s in sizes], rotation=45)
         ax.set_title(f"{world_size} processes", fontsize=9)

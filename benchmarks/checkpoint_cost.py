@@ -119,8 +119,8 @@ def main():
         print(f"| {name} | {parameters / 1e6:.1f} M | {size / 2**20:.1f} | {save:.3f} | {step:.3f} | {interval} | "
               f"{100 * share:.2f} % |")
     if args.plot:
-        bar_chart(shares, labels, "% of training time spent saving", "Synchronous checkpoints at the default interval",
-                  args.plot)
+        bar_chart(shares, labels, "% of training time spent saving",
+                  f"Synchronous checkpoints at the default interval, {machine_name(device)}", args.plot)
 
 
 if __name__ == "__main__":

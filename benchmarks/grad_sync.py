@@ -63,7 +63,7 @@ def main():
     parser.add_argument("--optimizer-steps", type=int, default=15)
     args = parser.parse_args()
     print(f"{args.nproc} processes, {args.accumulation_steps} micro-batches of {args.micro_batch} per process "
-          "per optimizer step, BasicNet (4.8 MB of gradients), gloo")
+          "per optimizer step, BasicNet (4.6 MB of gradients, MB = 2**20 bytes), gloo")
     print("| variant | s per optimizer step | all-reduces per optimizer step | vs baseline |\n|---|---:|---:|---:|")
     baseline = None
     for name, variant in VARIANTS.items():

@@ -5,7 +5,7 @@
 Each run is a fresh process (torchrun for DDP), started exactly as a user would start it, and
 reports its own training time; evaluation and start-up are not counted.
 
-    python benchmarks/mnist_speed.py --data-dir ../shared/data --plot images/mnist_speed_cpu.png
+    python benchmarks/mnist_speed.py --data-dir data --plot images/mnist_speed_cpu.png
 """
 import argparse
 import re
@@ -53,7 +53,7 @@ def table(results: dict[str, dict[str, float]]) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", required=True, help="folder holding MNIST/raw (e.g. ../shared/data)")
+    parser.add_argument("--data-dir", required=True, help="folder holding MNIST/raw (e.g. data, where the chapter scripts download it)")
     parser.add_argument("--nproc", type=int,
                         help="processes for the DDP run (default: one per GPU, or 2 on a CPU, as many as divide the "
                              "global batch)")

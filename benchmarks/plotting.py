@@ -7,14 +7,27 @@ def bar_chart(values: dict[str, float], annotations: list[str], xlabel: str, tit
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 0.5 + 0.55 * len(values)))
     bars = ax.barh(list(values), list(values.values()), color="#1f77b4")
-    ax.bar_label(bars, annotations, padding=3)
+    labels = ax.bar_label(bars, annotations, padding=3)
     ax.invert_yaxis()
-    ax.set_xlim(0, max(values.values()) * 1.35)
+    ax.set_xlim(0, max(values.values()) * 1.05)
     ax.set_xlabel(xlabel)
     ax.set_title(title)
-    fig.tight_layout()
+    fit_labels(fig, ax, labels)
     fig.savefig(path, dpi=120)
     print(f"saved {path}")
+
+
+def fit_labels(fig, ax, labels) -> None:
+    """Widen the x axis until every label beside a bar ends inside it: a label's length is text, not
+    data, so a fixed margin clips long ones."""
+    for _ in range(5):
+        fig.tight_layout()
+        right = max(label.get_window_extent(fig.canvas.get_renderer()).x1 for label in labels)
+        lo, hi = ax.get_xlim()
+        needed = ax.transData.inverted().transform((right, 0))[0]
+        if needed <= hi:
+            return
+        ax.set_xlim(lo, lo + (needed - lo) * 1.04)
 
 
 def stacked_memory_chart(rows, runs: list[str], title: str, path: str) -> None:
@@ -46,11 +59,13 @@ def stacked_memory_chart(rows, runs: list[str], title: str, path: str) -> None:
                 ax.plot(x, measured["peak_mb"], "o", color="#d62728", markersize=4,
                         label="peak above start (RSS)" if (group, index) == (0, 0) else None)
             ticks.append(x)
-            labels.append(f"{run}\nN={world_size}")
-    ax.set_xticks(ticks, labels, fontsize=7)
+            labels.append(run)
+        middle = group * (len(runs) + gap) + (len(runs) - 1) / 2
+        ax.text(middle, -0.2, f"N = {world_size}", transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=9)
+    ax.set_xticks(ticks, labels, fontsize=7, rotation=90)  # upright, five names per group collide
     ax.set_ylabel("MB per rank (lower is better)")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: inside it hid the N=4 peaks
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"saved {path}")

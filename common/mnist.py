@@ -76,7 +76,7 @@ def load_mnist(data_dir: str, loader: str = "tensor", local_rank: int = 0) -> tu
             except (RuntimeError, OSError) as error:  # torchvision raises RuntimeError after every mirror failed
                 raw = Path(data_dir, "MNIST", "raw").resolve()
                 sys.exit(f"error: MNIST is not in {raw} and could not be downloaded ({error}); pass "
-                         f"--data-dir with a folder that holds MNIST/raw/*-ubyte, e.g. --data-dir ../shared/data.")
+                         f"--data-dir with a folder that holds MNIST/raw/*-ubyte, e.g. --data-dir path/to/folder.")
     if loader == "classic":
         return splits[0], splits[1]
     return MNISTTensors(splits[0]), MNISTTensors(splits[1])

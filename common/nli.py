@@ -29,9 +29,10 @@ SPLIT_WORDS = {"train": "train", "training": "train", "dev": "validation", "vali
 SPLIT_IN_NAME = re.compile(rf"(?:^|[-_. ])({'|'.join(SPLIT_WORDS)})((?:[-_][a-z]+)*)$")
 
 
-def nli_parser(doc: str, precision: bool = True):
-    """The shared flags with this chapter's defaults (global batch 32, AdamW 5e-5), and the NLI ones."""
-    parser = training_parser(doc, batch_size=32, eval_batch_size=64, lr=5e-5, precision=precision)
+def nli_parser(doc: str, precision: bool = True, lr: float = 5e-5, max_steps: int | None = None):
+    """The shared flags with this chapter's defaults (global batch 32, AdamW 5e-5, every step of --epochs),
+    and the NLI ones; the minimal scripts pass their own lr and max_steps, so that --help prints them."""
+    parser = training_parser(doc, batch_size=32, eval_batch_size=64, lr=lr, precision=precision)
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"hub name or local folder with config, weights and tokenizer (default: {DEFAULT_MODEL})")
     parser.add_argument("--dataset", default=DEFAULT_DATASET,
@@ -44,7 +45,9 @@ def nli_parser(doc: str, precision: bool = True):
                              "validation_matched: the official matched validation set")
     parser.add_argument("--max-train-samples", type=positive_int, help="use only the first N training pairs")
     parser.add_argument("--max-eval-samples", type=positive_int, help="evaluate on the first N pairs only")
-    parser.add_argument("--max-steps", type=positive_int, help="stop training after this many optimizer steps")
+    parser.add_argument("--max-steps", type=positive_int, default=max_steps,
+                        help="stop training after this many optimizer steps "
+                             f"(default: {max_steps or 'every step of --epochs'})")
     parser.add_argument("--max-length", type=positive_int, default=128, help="truncate each pair to this many tokens")
     return parser
 

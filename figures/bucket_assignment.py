@@ -1,7 +1,8 @@
 """Figure: which parameters share a gradient bucket, in ours (common/bucketing.py) and in torch's DDP.
 
-For BasicNet at the default bucket_cap_mb=25, and for the tests' tiny BERT (tests/nli_files.py's
-configuration, 94 KB of parameters) at bucket_cap_mb=0.02 so that it needs several buckets. Ours:
+Drawn for BasicNet at the default bucket_cap_mb=25; recorded also for the tests' tiny BERT
+(tests/nli_files.py's configuration, 94 KB of parameters) at bucket_cap_mb=0.02, so that the tests
+check a model that needs several buckets. Ours:
 BucketedDataParallel(...).buckets, filled in reverse parameter order, closed before a parameter
 would overflow the cap. DDP's: recorded by a communication hook (GradBucket.parameters()) in two
 backward passes (of three) in a real gloo group: the first uses one bucket for everything, then DDP rebuilds
@@ -86,7 +87,7 @@ def human(size: float) -> str:
 
 
 def draw_column(ax, x: float, top: int, buckets: list[list[str]], sizes: dict, title: str) -> None:
-    ax.text(x + 0.5, top + 0.4, title, ha="center", va="bottom", fontsize=8, fontweight="bold")
+    ax.text(x + 0.5, top + 0.3, title, ha="center", va="bottom", fontsize=8.5, fontweight="bold")
     y = top
     for index, bucket in enumerate(buckets):
         top = y
@@ -94,33 +95,32 @@ def draw_column(ax, x: float, top: int, buckets: list[list[str]], sizes: dict, t
             y -= 1
             ax.add_patch(plt.Rectangle((x, y + 0.06), 1.0, 0.88, facecolor=COLORS[index % len(COLORS)], alpha=0.35,
                                        edgecolor="none"))
-            ax.text(x + 0.02, y + 0.5, name, va="center", fontsize=5.5)
-            ax.text(x + 0.98, y + 0.5, human(sizes[name]), va="center", ha="right", fontsize=5.5)
+            ax.text(x + 0.02, y + 0.5, name, va="center", fontsize=8)
+            ax.text(x + 0.98, y + 0.5, human(sizes[name]), va="center", ha="right", fontsize=8)
         ax.add_patch(plt.Rectangle((x, y + 0.03), 1.0, top - y - 0.06, fill=False, edgecolor=COLORS[index % len(COLORS)], lw=1.5))
         ax.text(x + 1.03, (top + y) / 2, f"bucket {index}\n{human(sum(sizes[n] for n in bucket))}", va="center",
-                fontsize=6.5, color=COLORS[index % len(COLORS)])
+                fontsize=8, color=COLORS[index % len(COLORS)])
 
 
 def draw(layouts: dict, path) -> None:
+    """BasicNet only, so that its eight tensors read at page width; the tiny BERT is recorded for the tests."""
     stable_svg_style()
-    most = max(len(layout["sizes"]) for layout in layouts.values())
-    fig, axes = plt.subplots(1, len(layouts), figsize=(8.5 * len(layouts), 1.6 + 0.17 * most))
-    for ax, (name, layout) in zip(axes, layouts.items()):
-        cap = layout["cap_mb"]
-        columns = [(f"ours, bucket_cap_mb={cap:g}", layout["ours"]),
-                   ("DDP, first backward", layout["ddp_first"]),
-                   ("DDP, rebuilt after it", layout["ddp_rebuilt"])]
-        for column, (title, buckets) in enumerate(columns):
-            draw_column(ax, column * 1.45, most, buckets, layout["sizes"], title)
-        first = "a 1 MB first bucket, then 25 MB" if name == "BasicNet" else f"{cap:g} MB buckets"
-        ax.set_title(f"{name}: {human(sum(layout['sizes'].values()))} of gradients, bucket_cap_mb={cap:g}\n"
-                     f"DDP rebuilt: {first}, closed once full; ours: closed before overflowing", fontsize=9)
-        ax.set_xlim(-0.05, 3 * 1.45)
-        ax.set_ylim(-0.2, most + 1.6)
-        ax.set_axis_off()
-    fig.suptitle("Gradient buckets, first bucket at the top: each bucket's all-reduce starts when its last gradient "
-                 "arrives (recorded with DDP communication hooks, gloo)", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    layout = layouts["BasicNet"]
+    rows = len(layout["sizes"])
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.32 * rows))
+    cap = layout["cap_mb"]
+    columns = [(f"ours, bucket_cap_mb={cap:g}", layout["ours"]),
+               ("DDP, first backward", layout["ddp_first"]),
+               ("DDP, rebuilt after it", layout["ddp_rebuilt"])]
+    for column, (title, buckets) in enumerate(columns):
+        draw_column(ax, column * 1.45, rows, buckets, layout["sizes"], title)
+    ax.set_title(f"BasicNet: {human(sum(layout['sizes'].values()))} of gradients, bucket_cap_mb={cap:g}, first bucket "
+                 "at the top.\nDDP rebuilt: a 1 MB first bucket, then 25 MB, each closed once full; ours: closed before "
+                 "overflowing", fontsize=9)
+    ax.set_xlim(-0.05, 3 * 1.45)
+    ax.set_ylim(-0.2, rows + 1.2)
+    ax.set_axis_off()
+    fig.tight_layout()
     save(fig, path)
 
 

@@ -1,4 +1,4 @@
-"""Figure: what moves between devices in one DataParallel step and in one DDP step, in bytes.
+"""Figure: what moves between devices in one DataParallel step and in one DDP step; the bytes as a table.
 
 A schematic for 4 GPUs, with the real tensor shapes and sizes of BasicNet (global batch 64) and of
 BERT with bert-base-cased's configuration (BertConfig(vocab_size=28996), built on the meta device: no
@@ -6,7 +6,7 @@ download, no memory; global batch 32 of 128 tokens). The sizes come from the mod
 the all-reduce bytes from common.allreduce.bytes_sent_per_rank. The splitting over several GPUs
 cannot be measured on the CPU this repository is tested on, and the figure says so.
 
-    python figures/dp_vs_ddp.py                 # images/dp_vs_ddp.svg
+    python figures/dp_vs_ddp.py                 # images/dp_vs_ddp.svg, and prints the byte counts as Markdown
 """
 import torch
 
@@ -93,47 +93,62 @@ def moves(work: dict) -> dict[str, list[tuple[str, int]]]:
 
 
 def draw(path) -> None:
+    """Arrows only: who sends to whom in one step. The byte counts are in markdown_tables(), for the page."""
     stable_svg_style()
-    works = workloads()
-    fig, axes = plt.subplots(len(works), 2, figsize=(15, 7.4))
-    for row, (title, work) in zip(axes, works.items()):
-        for ax, (wrapper, steps) in zip(row, moves(work).items()):
-            ax.set_axis_off()
-            ax.set_xlim(0, 1)
-            ax.set_ylim(0, 1)
-            ax.set_title(f"{wrapper}\n{title}: {work['params']:,} parameters, {human(work['param_bytes'])} fp32",
-                         fontsize=9)
-            for gpu in range(GPUS):
-                x = 0.06 + gpu * 0.24
-                ax.add_patch(plt.Rectangle((x, 0.7), 0.16, 0.12, facecolor=COLORS[gpu], alpha=0.85))
-                ax.text(x + 0.08, 0.76, f"GPU {gpu}", ha="center", va="center", color="white", fontweight="bold")
-                if wrapper.startswith("DataParallel") and gpu:  # everything to and from GPU 0
-                    ax.annotate("", xy=(x + 0.06, 0.82), xytext=(0.16, 0.82),
-                                arrowprops={"arrowstyle": "<->", "color": "#444444", "connectionstyle": "arc3,rad=-0.12"})
-                if wrapper.startswith("DDP") and gpu < GPUS - 1:  # a ring: each GPU to the next
-                    ax.annotate("", xy=(x + 0.24, 0.76), xytext=(x + 0.16, 0.76), arrowprops={"arrowstyle": "->"})
-            if wrapper.startswith("DDP"):
-                ax.annotate("", xy=(0.14, 0.82), xytext=(0.86, 0.82),
-                            arrowprops={"arrowstyle": "->", "connectionstyle": "arc3,rad=0.08"})
-            for index, (step, size) in enumerate(steps):
-                ax.text(0.0, 0.58 - index * 0.085, f"{index + 1}. {step}", fontsize=8, va="center")
-                ax.text(1.0, 0.58 - index * 0.085, human(size) if size else "–", fontsize=8, va="center", ha="right",
-                        fontweight="bold" if size else "normal")
-            total = sum(size for _, size in steps)
-            busiest = "GPU 0" if wrapper.startswith("DataParallel") else "each GPU"
-            ax.text(1.0, 0.65, f"sent + received by {busiest}", fontsize=8, va="center", ha="right", style="italic")
-            ax.text(1.0, 0.58 - len(steps) * 0.085, f"through {busiest} per step: {human(total)}", fontsize=8.5,
-                    va="center", ha="right", fontweight="bold")
-    fig.suptitle(f"What moves in one training step on {GPUS} GPUs: DataParallel copies the model out and the "
-                 "gradients in through GPU 0 every step; DDP all-reduces the gradients, spread evenly over the GPUs.\n"
-                 "A schematic computed from the real shapes and byte counts: this repository's CPU machines have no "
-                 "GPUs, so the splitting over GPUs is not measured here.", fontsize=9.5)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig, (dp, ddp) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax in (dp, ddp):
+        ax.set_axis_off()
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_aspect("equal")
+
+    def gpu(ax, x, y, index, note=""):
+        ax.add_patch(plt.Rectangle((x - 0.09, y - 0.06), 0.18, 0.12, facecolor=COLORS[index], alpha=0.9))
+        ax.text(x, y, f"GPU {index}", ha="center", va="center", color="white", fontweight="bold", fontsize=9)
+        if note:
+            ax.text(x, y - 0.1, note, ha="center", va="top", fontsize=7.5)
+
+    gpu(dp, 0.2, 0.5, 0, "the process,\nthe loss, the optimizer")
+    for index, y in zip(range(1, GPUS), (0.85, 0.5, 0.15)):
+        gpu(dp, 0.8, y, index)
+        dp.annotate("", xy=(0.7, y + 0.02), xytext=(0.3, 0.52), arrowprops={"arrowstyle": "->", "color": "#444444"})
+        dp.annotate("", xy=(0.3, 0.48), xytext=(0.7, y - 0.02), arrowprops={"arrowstyle": "->", "color": COLORS[3]})
+    dp.text(0.5, 0.98, "→ batch share, a fresh copy of the weights", ha="center", fontsize=8, color="#444444")
+    dp.text(0.5, 0.01, "← outputs, then gradients, to GPU 0", ha="center", fontsize=8, color=COLORS[3])
+    dp.set_title("DataParallel: one process; every step passes through GPU 0", fontsize=9.5)
+
+    corners = [(0.25, 0.78), (0.75, 0.78), (0.75, 0.22), (0.25, 0.22)]
+    for index, (x, y) in enumerate(corners):
+        gpu(ddp, x, y, index)
+        (x0, y0), (x1, y1) = (x, y), corners[(index + 1) % GPUS]
+        start = (x0 + (0.1 if x1 > x0 else -0.1 if x1 < x0 else 0), y0 + (0.07 if y1 > y0 else -0.07 if y1 < y0 else 0))
+        end = (x1 - (0.1 if x1 > x0 else -0.1 if x1 < x0 else 0), y1 - (0.07 if y1 > y0 else -0.07 if y1 < y0 else 0))
+        ddp.annotate("", xy=end, xytext=start, arrowprops={"arrowstyle": "->", "color": COLORS[2], "linewidth": 1.5})
+    ddp.text(0.5, 0.5, "gradient chunks\naround the ring,\nduring backward", ha="center", va="center", fontsize=8,
+             color=COLORS[2])
+    ddp.text(0.5, 0.01, "each GPU: its own process, data, optimizer", ha="center", fontsize=8)
+    ddp.set_title("DDP: one process per GPU; only gradients move", fontsize=9.5)
+    fig.tight_layout()
     save(fig, path)
 
 
+def markdown_tables() -> str:
+    """The bytes of every step that moves data, per model, as the Markdown docs/mnist.md shows."""
+    tables = []
+    for title, work in workloads().items():
+        rows = [f"| {title}: {work['params']:,} parameters, {human(work['param_bytes'])} fp32 | bytes |", "|---|---:|"]
+        for wrapper, steps in moves(work).items():
+            name, busiest = wrapper.split(":")[0], "GPU 0" if wrapper.startswith("DataParallel") else "each GPU"
+            rows += [f"| {name}: {step} | {human(size)} |" for step, size in steps if size]
+            rows.append(f"| **{name}: through {busiest} per step** | **{human(sum(size for _, size in steps))}** |")
+        tables.append("\n".join(rows))
+    return "\n\n".join(tables)
+
+
 def main():
-    draw(parser(__doc__, IMAGES / "dp_vs_ddp.svg").parse_args().out)
+    args = parser(__doc__, IMAGES / "dp_vs_ddp.svg").parse_args()
+    draw(args.out)
+    print(markdown_tables())
 
 
 if __name__ == "__main__":

@@ -97,12 +97,15 @@ def draw(recording: dict, svg_path, gif_path=None) -> None:
     from matplotlib.animation import FuncAnimation, PillowWriter
     stable_svg_style()
     pictures, total = states(recording), final_sums(recording)
-    fig, axes = plt.subplots(1, len(pictures), figsize=(2.6 * len(pictures), 3.3))
-    for ax, state in zip(axes, pictures):
-        draw_state(ax, state, total, state["short"])
-    fig.suptitle(f"Ring all-reduce of {recording['world_size']} gloo processes (common/allreduce.py), recorded. "
-                 "Outlined: the chunk each rank sends to the next (arrow); filled: the chunk it received "
-                 "(orange: added, green: copied); bold: the full sum", fontsize=9)
+    steps = recording["world_size"] - 1  # per phase
+    fig, axes = plt.subplots(2, steps + 1, figsize=(2.6 * (steps + 1), 6.4))  # a row per phase: page width
+    draw_state(axes[0][0], pictures[0], total, pictures[0]["short"])
+    axes[1][0].set_axis_off()
+    for index, state in enumerate(pictures[1:]):
+        draw_state(axes[index // steps][1 + index % steps], state, total, state["short"])
+    fig.suptitle(f"Ring all-reduce of {recording['world_size']} gloo processes (common/allreduce.py), recorded.\n"
+                 "Top: reduce-scatter; bottom: all-gather. Outlined: the chunk each rank sends to the next (arrow); "
+                 "filled: the chunk it received\n(orange: added, green: copied); bold: the full sum", fontsize=9)
     fig.tight_layout()
     save(fig, svg_path)
     if gif_path is not None:

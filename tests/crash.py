@@ -1,6 +1,6 @@
 """Run a chapter script unchanged, and SIGKILL this process at a chosen point of torchrun's first attempt.
 
-    torchrun --max-restarts=1 ... tests/crash.py WHAT src/ch4/mnist_3_ddp_resume.py FLAGS...
+    torchrun --max-restarts=1 ... tests/crash.py WHAT src/ch4/resume/mnist_3_ddp_resume.py FLAGS...
 
 WHAT is comma-separated:
   kill-rank<R>-after-step<K>   rank R dies right after its K-th optimizer step (mid-epoch, no warning)

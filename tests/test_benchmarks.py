@@ -5,7 +5,9 @@ breaks them fails here, not in a user's `make demo`. Where a column says what a 
 (all-reduces per step, whether a hand-written all-reduce summed exactly), the numbers are checked,
 so that each row is the thing it names. The figures themselves are not checked.
 """
-from conftest import PYTHON, assert_clear_error
+import sys
+
+from conftest import PYTHON, ROOT, assert_clear_error
 
 
 def assert_table_and_plot(result, plot, *rows):
@@ -115,3 +117,31 @@ def test_sharded_memory_matches_the_zero_formula(run_command, tiny_bert, tmp_pat
     assert measured["ZeRO-1"][2] < 0.55 * measured["DDP"][2]
     assert measured["ZeRO-2"][1] < 0.55 * measured["ZeRO-1"][1]
     assert measured["ZeRO-3"][0] < 0.55 * measured["ZeRO-2"][0]
+
+
+def test_bar_labels_end_inside_the_axes():
+    """A long label beside the longest bar used to run off the figure (checkpoint_cost_cpu.png); a fixed
+    margin clips it (negative control), fit_labels widens the axis until it fits."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # as the benchmarks find it
+    from plotting import fit_labels
+
+    def right_edges(fit):
+        fig, ax = plt.subplots(figsize=(8, 2))
+        bars = ax.barh(["short", "long"], [1.0, 0.5])
+        labels = ax.bar_label(bars, ["0.38 % (0.02 s per save, every 200 steps)", "x"], padding=3)
+        ax.set_xlim(0, 1.35)
+        fig.tight_layout()
+        if fit:
+            fit_labels(fig, ax, labels)
+        renderer = fig.canvas.get_renderer()
+        edges = max(label.get_window_extent(renderer).x1 for label in labels), ax.get_window_extent(renderer).x1
+        plt.close(fig)
+        return edges
+
+    label_end, axes_end = right_edges(fit=False)
+    assert label_end > axes_end
+    label_end, axes_end = right_edges(fit=True)
+    assert label_end <= axes_end

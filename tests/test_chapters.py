@@ -10,12 +10,14 @@ import pytest
 from conftest import ROOT
 
 MNIST_LADDER = ["mnist_1_single.py", "mnist_2_data_parallel.py", "mnist_3_ddp.py", "mnist_4_accelerate.py"]
+# Paths under src/ch4/: the seed's ladder at its root, each later chapter in the folder of its docs page.
 STEPS = [*zip(MNIST_LADDER, MNIST_LADDER[1:]),  # each script is one step from the one before it
-         ("mnist_3_ddp.py", "mnist_3_ddp_resume.py"),  # a side step: the same script, restartable
-         ("data_parallel.py", "nli_loss_in_forward.py"), ("data_parallel.py", "ddp.py"), ("ddp.py", "ddp_resume.py"),
+         ("mnist_3_ddp.py", "resume/mnist_3_ddp_resume.py"),  # a side step: the same script, restartable
+         ("data_parallel.py", "nli_loss_in_forward.py"), ("data_parallel.py", "ddp.py"),
+         ("ddp.py", "resume/ddp_resume.py"),
          ("ddp.py", "nli_accelerate.py"), ("nli_dp_minimal.py", "nli_ddp_minimal.py"),
-         ("mnist_3_ddp.py", "mnist_fsdp.py"), ("ddp.py", "nli_fsdp.py"),
-         ("mnist_fsdp.py", "mnist_fsdp_resume.py"),  # the FSDP script, restartable: sharded checkpoints
+         ("mnist_3_ddp.py", "sharded/mnist_fsdp.py"), ("ddp.py", "sharded/nli_fsdp.py"),
+         ("sharded/mnist_fsdp.py", "resume/mnist_fsdp_resume.py"),  # the FSDP script, restartable: sharded checkpoints
          ("mnist_3_ddp.py", "mnist_5_lightning.py")]  # Lightning, like Accelerate, takes over step 3's plumbing
 BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py"]
 MARK = "# STEP"
@@ -81,8 +83,10 @@ def test_base_scripts_mark_nothing(base):
 
 
 def test_every_chapter_script_is_checked():
+    """In every chapter folder too: a script added to src/ch4/resume/ without a parent is caught here."""
     checked = {name for pair in STEPS for name in pair} | set(BASES)
-    assert checked == {path.name for path in (ROOT / "src" / "ch4").glob("*.py")}
+    ch4 = ROOT / "src" / "ch4"
+    assert checked == {path.relative_to(ch4).as_posix() for path in ch4.rglob("*.py")}
 
 
 def test_the_check_above_catches_an_unmarked_change():
@@ -106,7 +110,7 @@ OPTIONAL = {"slurm/site_env.sh"}  # a site's own file, which the job scripts sou
 
 def documented_paths():
     texts = [ROOT / "README.md", ROOT / "slurm" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-             *sorted((ROOT / "src" / "ch4").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")),
+             *sorted((ROOT / "src" / "ch4").rglob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")),
              *sorted((ROOT / "figures").glob("*.py")), *sorted((ROOT / "slurm").glob("*.s*"))]
     return sorted({(text.name, path) for text in texts for path in PATH.findall(text.read_text())
                    if path not in OPTIONAL})
@@ -136,6 +140,68 @@ def test_every_link_of_the_docs_resolves(page, link):
 
 def test_the_readme_is_a_map():
     """Chapter prose lives in docs/: the README stays short enough to be read as the map it is."""
-    assert len((ROOT / "README.md").read_text().splitlines()) < 150
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+    start_here = (ROOT / "README.md").read_text().split("## Start here\n", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^(\d)\. ", start_here, re.MULTILINE) == ["1", "2", "3", "4", "5"]  # a five-step path
     linked = set(re.findall(r"\]\((docs/[\w.]+\.md)\)", (ROOT / "README.md").read_text()))
     assert linked == {f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md")}  # every page is on the map
+
+
+# ---- the change shown inline on each chapter page is the script's own text ----
+
+CHAPTER_PAGES = ["mnist.md", "bert.md", "inside_ddp.md", "resume.md", "sharded.md", "lightning.md"]
+EXCERPT = re.compile(r"^```python from=(\S+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+GAP = "..."  # a line of its own in an excerpt: lines of the script left out here
+
+
+def excerpts(page):
+    """(path, lines) of each fenced block the page marks ```python from=PATH: an excerpt of that file."""
+    return [(path, text.splitlines()) for path, text in EXCERPT.findall((ROOT / "docs" / page).read_text())]
+
+
+def not_in(excerpt, source):
+    """The first run of the excerpt's lines (runs are split at GAP lines) that the source lacks, verbatim and
+    after the run before it; None when the whole excerpt is the source's text in the source's order."""
+    position = 0
+    for run in "\n".join(excerpt).split(f"\n{GAP}\n"):
+        lines = run.splitlines()
+        found = next((i for i in range(position, len(source) - len(lines) + 1) if source[i:i + len(lines)] == lines), None)
+        if found is None:
+            return run
+        position = found + len(lines)
+    return None
+
+
+@pytest.mark.parametrize("page, index", [(page, i) for page in CHAPTER_PAGES for i in range(len(excerpts(page)))])
+def test_each_excerpt_on_a_page_is_the_scripts_text(page, index):
+    path, excerpt = excerpts(page)[index]
+    missing = not_in(excerpt, (ROOT / path).read_text().splitlines())
+    assert missing is None, f"docs/{page} shows lines of {path} that it does not hold, in this order:\n{missing}"
+    if path.startswith("src/ch4/"):
+        assert any(MARK in line for line in excerpt), f"docs/{page}: an excerpt of {path} with no `{MARK}` line"
+
+
+@pytest.mark.parametrize("page", CHAPTER_PAGES)
+def test_each_chapter_page_shows_its_change_inline(page):
+    assert excerpts(page), f"docs/{page} shows no excerpt (```python from=PATH)"
+
+
+def test_an_excerpt_stops_matching_when_the_script_changes():
+    """Negative control: one character edited in the script, or two runs of the excerpt swapped, is caught."""
+    path, excerpt = excerpts("mnist.md")[0]
+    source = (ROOT / path).read_text().splitlines()
+    assert not_in(excerpt, source) is None
+    line = next(i for i, text in enumerate(source) if text == next(e for e in excerpt if MARK in e))
+    edited = [*source[:line], source[line].replace("(", "( ", 1), *source[line + 1:]]
+    assert not_in(excerpt, edited) is not None
+    runs = "\n".join(excerpt).split(f"\n{GAP}\n")
+    if len(runs) > 1:
+        swapped = f"\n{GAP}\n".join([runs[1], runs[0], *runs[2:]]).splitlines()
+        assert not_in(swapped, source) is not None
+
+
+@pytest.mark.parametrize("page", sorted(path.name for path in (ROOT / "docs").glob("*.md")))
+def test_no_two_figures_are_stacked_without_text_between(page):
+    lines = [line for line in (ROOT / "docs" / page).read_text().splitlines() if line.strip()]
+    stacked = [a for a, b in zip(lines, lines[1:]) if a.startswith("![") and b.startswith("![")]
+    assert not stacked, f"docs/{page}: a figure follows {stacked[0]} with no sentence between them"

@@ -21,8 +21,10 @@ import accumulation_syncs  # noqa: E402
 import allreduce_algorithms  # noqa: E402
 import allreduce_speed  # noqa: E402
 import bucket_assignment  # noqa: E402
+import ddp_step_lanes  # noqa: E402
 import dp_vs_ddp  # noqa: E402
 import overlap_timeline  # noqa: E402
+import resume_sequence  # noqa: E402
 import ring_allreduce  # noqa: E402
 import step_time_breakdown  # noqa: E402
 import zero_stages  # noqa: E402
@@ -166,6 +168,7 @@ def test_dp_vs_ddp_figure(tmp_path):
     assert all_reduce == 2 * bytes_sent_per_rank("ring", mnist["param_bytes"], 4)
     dp_vs_ddp.draw(tmp_path / "dp_vs_ddp.svg")
     assert_same_bytes(tmp_path / "dp_vs_ddp.svg", ROOT / "images" / "dp_vs_ddp.svg")
+    assert dp_vs_ddp.markdown_tables() in (ROOT / "docs" / "mnist.md").read_text()  # the numbers the page shows
 
 
 # ---- measured: 3, 6, 7
@@ -212,7 +215,7 @@ def test_bus_bandwidth_at_toy_size(four, tmp_path):
 def test_every_figure_is_committed():
     for name in ("ring_allreduce.svg", "ring_allreduce.gif", "allreduce_algorithms.svg", "overlap_timeline.png",
                  "bucket_assignment.svg", "accumulation_syncs.svg", "step_time_breakdown.png", "allreduce_busbw.png",
-                 "dp_vs_ddp.svg", "zero_stages.svg", "zero_stages.png"):
+                 "dp_vs_ddp.svg", "zero_stages.svg", "zero_stages.png", "ddp_step_lanes.svg", "resume_sequence.svg"):
         assert (ROOT / "images" / name).stat().st_size > 0, name
 
 
@@ -220,3 +223,19 @@ def test_zero_stages_figure_is_byte_stable(tmp_path):
     zero_stages.draw(tmp_path / "zero_stages.svg")
     assert_same_bytes(tmp_path / "zero_stages.svg", ROOT / "images" / "zero_stages.svg")
     assert (tmp_path / "zero_stages.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("figure, name", [(ddp_step_lanes, "ddp_step_lanes.svg"), (resume_sequence, "resume_sequence.svg")])
+def test_drawn_schematics_are_byte_stable(figure, name, tmp_path):
+    figure.draw(tmp_path / name)
+    assert_same_bytes(tmp_path / name, ROOT / "images" / name)
+
+
+def test_the_step_lanes_overlap_all_but_the_last_bucket():
+    """The schematic's schedule says what the page says: buckets fill in reverse layer order, the first
+    all-reduce runs during backward, and only the last one delays the optimizer."""
+    plan = ddp_step_lanes.schedule()
+    backward_end = max(end for _, end in plan["backward"].values())
+    (first, first_start, first_end), (_, last_start, last_end) = plan["reduces"]
+    assert first == (ddp_step_lanes.LAYERS, ddp_step_lanes.LAYERS - 1)
+    assert first_end <= backward_end < last_end and plan["wait"] == (backward_end, last_end)

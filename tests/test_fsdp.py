@@ -26,7 +26,7 @@ def assembled(ranks, key):
 
 @pytest.fixture(scope="module")
 def mnist_fsdp(tiny_mnist, tmp_path_factory):
-    stdout, ranks = instrumented(TORCHRUN + [f"--nproc_per_node={WORLD_SIZE}"], "mnist_fsdp.py",
+    stdout, ranks = instrumented(TORCHRUN + [f"--nproc_per_node={WORLD_SIZE}"], "sharded/mnist_fsdp.py",
                                  tmp_path_factory.mktemp("mnist-fsdp"), "--data-dir", tiny_mnist, "--epochs", "1",
                                  "--batch-size", "48", "--dist-timeout", "60")
     assert len(ranks) == WORLD_SIZE and f"global batch 48 = {WORLD_SIZE} x 16" in stdout
@@ -67,7 +67,7 @@ def test_accuracy_counts_what_one_process_counts(mnist_fsdp, tiny_mnist):
 
 
 def test_bert_fsdp_accuracy(tiny_bert, nli_pairs, tmp_path):
-    stdout, ranks = instrumented(TORCHRUN + ["--nproc_per_node=2"], "nli_fsdp.py", tmp_path, "--model", tiny_bert,
+    stdout, ranks = instrumented(TORCHRUN + ["--nproc_per_node=2"], "sharded/nli_fsdp.py", tmp_path, "--model", tiny_bert,
                                  "--dataset", nli_pairs, "--max-steps", "4", "--batch-size", "12", "--dist-timeout", "60",
                                  timeout=300)
     assert "global batch 12 = 2 x 6" in stdout and stdout.count("eval accuracy") == 1

@@ -77,10 +77,10 @@ def test_bert_ddp_on_gpu(run_command, tiny_bert, nli_pairs):
 
 
 def test_fsdp_scripts_on_gpu_nccl(run_command, tiny_mnist, tiny_bert, nli_pairs):
-    result = run_command(*TORCHRUN, "--nproc_per_node=1", CH4 / "mnist_fsdp.py", "--data-dir", tiny_mnist,
+    result = run_command(*TORCHRUN, "--nproc_per_node=1", CH4 / "sharded" / "mnist_fsdp.py", "--data-dir", tiny_mnist,
                          env_extra=ON_GPU)
     assert_ran(result, "1 processes on cuda", f"over {TEST_IMAGES} images")
-    result = run_command(*TORCHRUN, "--nproc_per_node=1", CH4 / "nli_fsdp.py", "--model", tiny_bert, "--dataset",
+    result = run_command(*TORCHRUN, "--nproc_per_node=1", CH4 / "sharded" / "nli_fsdp.py", "--model", tiny_bert, "--dataset",
                          nli_pairs, "--max-steps", "3", env_extra=ON_GPU)
     assert_ran(result, "1 processes on cuda", f"over {EVAL_PAIRS} pairs")
 

@@ -240,7 +240,7 @@ def test_accelerate_ranks_build_the_same_model_before_prepare(tmp_path, tiny_ber
 
 # ---- evaluation with fewer examples than processes ----
 
-@pytest.mark.parametrize("script", ["ddp.py", "nli_ddp_minimal.py", "nli_fsdp.py"])
+@pytest.mark.parametrize("script", ["ddp.py", "nli_ddp_minimal.py", "sharded/nli_fsdp.py"])
 def test_fewer_eval_pairs_than_processes(run_command, tiny_bert, nli_pairs, script):
     """Rank 2 has no evaluation pair; a forward through DDP on the others would broadcast buffers alone,
     and under FSDP every rank must run each forward (all-gathers): rank 2 scores a repeat and skips it."""

@@ -33,6 +33,13 @@ def test_runs_from_inside_src_ch4(run_command, tiny_mnist):
     assert_ok(run_command(PYTHON, "mnist_1_single.py", "--data-dir", tiny_mnist, cwd=CH4))
 
 
+def test_a_chapter_folder_script_starts_from_inside_its_folder(run_command, folder="resume", script="mnist_3_ddp_resume.py"):
+    """`common` comes from the installed package, not from the working directory: started from its own
+    folder without a launcher, the script gets as far as saying how to launch it, with its path."""
+    result = run_command(PYTHON, script, cwd=CH4 / folder)
+    assert_clear_error(result, f"torchrun --nproc_per_node=2 src/ch4/{folder}/{script}")
+
+
 # ---- bad input: one clear sentence and a non-zero exit, never a deep traceback ----
 
 def test_global_batch_that_does_not_divide(run_command, tiny_mnist):

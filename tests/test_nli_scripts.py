@@ -3,6 +3,8 @@
 The 90/10 split holds out 13 pairs, which divide by neither 2 nor 3 processes: every run must
 report an accuracy over exactly 13 pairs.
 """
+import runpy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -32,6 +34,18 @@ def test_minimal_prints_the_loss_every_10_steps(run_command, tiny_bert, nli_pair
                          "--max-steps", "20", "--batch-size", "8")
     assert_ok(result)
     assert "step 10: loss" in result.stdout and "step 20: loss" in result.stdout and "step 30" not in result.stdout
+
+
+@pytest.mark.parametrize("script, lr, max_steps", [("nli_dp_minimal.py", "3e-05", "300"),
+                                                   ("nli_ddp_minimal.py", "3e-05", "300"),
+                                                   ("ddp.py", "5e-05", "every step of --epochs")])
+def test_help_prints_the_defaults_the_script_trains_with(monkeypatch, capsys, script, lr, max_steps):
+    """--help and the run take lr and --max-steps from one place (a set_defaults once left --help at 5e-05)."""
+    monkeypatch.setattr("sys.argv", [script, "--help"])
+    with pytest.raises(SystemExit):
+        runpy.run_path(str(CH4 / script), run_name="__main__")
+    flat = " ".join(capsys.readouterr().out.split())
+    assert f"learning rate (default: {lr})" in flat and f"optimizer steps (default: {max_steps})" in flat
 
 
 @pytest.mark.parametrize("script, nproc, batch", [("ddp.py", 2, 32), ("nli_ddp_minimal.py", 2, 32)])  # 3: test_lessons.py

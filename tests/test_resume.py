@@ -24,7 +24,7 @@ from common.sharded_checkpoint import ShardedCheckpoints
 from conftest import ROOT, TORCHRUN, assert_ran, run_as_user
 
 CRASH = ROOT / "tests" / "crash.py"
-CH4 = ROOT / "src" / "ch4"
+RESUME = ROOT / "src" / "ch4" / "resume"
 # the fix for torchrun restarts (see common.distributed.stale_store_hint), as the README says to launch
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
@@ -36,7 +36,7 @@ def run(folder, data, what="none", processes=3, *flags, restarts=1, script="mnis
     data_flags = ["--data-dir", data, "--batch-size", batch] if script.startswith("mnist") \
         else ["--model", data[0], "--dataset", data[1], "--batch-size", "12"]
     return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", f"--max-restarts={restarts}", CRASH, what,
-                       CH4 / script, *data_flags, "--checkpoint-dir", folder, "--checkpoint-every", "4", "--epochs", "2",
+                       RESUME / script, *data_flags, "--checkpoint-dir", folder, "--checkpoint-every", "4", "--epochs", "2",
                        "--precision", "fp32", "--dist-timeout", "60", *flags, env_extra=RESTARTABLE, timeout=240)
 
 

@@ -65,9 +65,9 @@ MUTATIONS = [  # name, file, text, replacement, tests (pytest arguments)
      ["tests/test_zero.py"]),  # AdamW is nearly blind to a gradient N times too large: the gradients are compared
     ("zero-3-no-gather-for-backward", "common/zero.py",
      "            output.register_hook(lambda grad: unit.gather())", "            pass", ["tests/test_zero.py"]),
-    ("fsdp-eval-scores-repeats", "src/ch4/mnist_fsdp.py", "keep = min(labels.numel(), unpadded - seen)",
+    ("fsdp-eval-scores-repeats", "src/ch4/sharded/mnist_fsdp.py", "keep = min(labels.numel(), unpadded - seen)",
      "keep = labels.numel()", ["tests/test_fsdp.py"]),
-    ("fsdp-no-broadcast", "src/ch4/mnist_fsdp.py", "        dist.broadcast(tensor, src=0)", "        pass",
+    ("fsdp-no-broadcast", "src/ch4/sharded/mnist_fsdp.py", "        dist.broadcast(tensor, src=0)", "        pass",
      ["tests/test_fsdp.py"]),
     ("benchmark-ignores-bucket-size", "benchmarks/bucketing_speed.py",
      "BucketedDataParallel(module, bucket_cap_mb=bucket_cap_mb)", "BucketedDataParallel(module, bucket_cap_mb=None)",

@@ -4,12 +4,12 @@ The baseline that the next steps parallelise, in its plainest form: a sampler th
 training set, a loop of forward, loss, backward and optimizer step, and an evaluation that counts
 correct predictions over the whole test set.
 
-Run from the repository root (add --data-dir ../shared/data to use a local copy of MNIST):
+Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
     python src/ch4/mnist_1_single.py                     # the first GPU if there is one, else the CPU
     python src/ch4/mnist_1_single.py --precision bf16    # bf16 autocast
     python src/ch4/mnist_1_single.py --loader classic    # per-sample PIL transforms, as in most tutorials
 
-Each later step marks the lines it changes with `# STEP`: `grep -n "# STEP" src/ch4/*.py`.
+Each later step marks the lines it changes with `# STEP`: `grep -rn "# STEP" src/ch4`.
 """
 import time
 

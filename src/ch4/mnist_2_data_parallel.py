@@ -8,7 +8,7 @@ all outputs and gradients funnelled through GPU 0. DDP (step 3) fixes all three.
 On a machine without GPUs DataParallel simply calls the module: this script then trains exactly as
 step 1 does, which is what you see on a CPU.
 
-Run from the repository root (add --data-dir ../shared/data to use a local copy of MNIST):
+Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
     python src/ch4/mnist_2_data_parallel.py                          # all visible GPUs
     CUDA_VISIBLE_DEVICES=0,1 python src/ch4/mnist_2_data_parallel.py # choose GPUs without editing code
 

@@ -11,7 +11,7 @@ so after optimizer.step() every replica holds the same weights. What changes fro
   - evaluation uses DistributedEvalSampler, so each test image is scored exactly once, and the
     counts are summed over ranks before the accuracy is printed (by rank 0 only).
 
-Run from the repository root (add --data-dir ../shared/data to use a local copy of MNIST):
+Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
     torchrun --nproc_per_node=2 src/ch4/mnist_3_ddp.py       # 2 processes: 2 GPUs, or 2 CPU processes
     torchrun --nproc_per_node=gpu src/ch4/mnist_3_ddp.py     # one process per visible GPU
     torchrun --nnodes=2 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 src/ch4/mnist_3_ddp.py

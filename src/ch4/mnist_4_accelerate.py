@@ -7,7 +7,7 @@ config where it names fp16 or bf16 (else from --precision, auto as in steps 1-3)
 gather_for_metrics() collects predictions from every rank and drops the samples that were repeated to give all ranks equal batches, so the accuracy is over exactly the test set.
 The same file runs unchanged on one CPU, one GPU, several GPUs or several CPU processes.
 
-Run from the repository root (add --data-dir ../shared/data to use a local copy of MNIST):
+Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
     python src/ch4/mnist_4_accelerate.py                                          # one process
     NGPU=$(python -c 'import torch; print(torch.cuda.device_count())')           # every GPU, fp16
     accelerate launch --config_file src/ch4/accelerate_configs/multi_gpu_fp16.yaml --num_processes $NGPU src/ch4/mnist_4_accelerate.py

@@ -16,7 +16,7 @@ backward and the optimizer. What changes from step 3:
     self.log(..., sync_dist=True) would average per-rank means. Here test_step counts, and the counts
     are summed over ranks as in step 3.
 
-Run from the repository root (add --data-dir ../shared/data to use a local copy of MNIST):
+Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
     python src/ch4/mnist_5_lightning.py --devices 2          # Lightning starts 2 processes: 2 GPUs, or 2 on the CPU
     python src/ch4/mnist_5_lightning.py                      # every visible GPU, or one CPU process
     torchrun --nproc_per_node=2 src/ch4/mnist_5_lightning.py # --devices, --num-nodes: what torchrun started

@@ -76,6 +76,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = nli_parser(__doc__, precision=False)  # fp32 only: data_parallel.py shows mixed precision
-    parser.set_defaults(lr=3e-5, max_steps=300)
+    parser = nli_parser(__doc__, precision=False, lr=3e-5, max_steps=300)  # fp32 only: data_parallel.py shows mixed precision
     main(parser.parse_args())

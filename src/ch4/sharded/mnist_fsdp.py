@@ -16,9 +16,9 @@ rank receives the average of its own piece only, and AdamW updates that piece. W
     as many) replaces DistributedEvalSampler, and each rank scores only the images before its repeats
     (they come last), so that every test image still counts exactly once.
 
-Run from the repository root (add --data-dir ../shared/data to use a local copy of MNIST):
-    torchrun --nproc_per_node=2 src/ch4/mnist_fsdp.py       # 2 processes: 2 GPUs, or 2 CPU processes (gloo)
-    torchrun --nproc_per_node=gpu src/ch4/mnist_fsdp.py     # one process per visible GPU
+Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
+    torchrun --nproc_per_node=2 src/ch4/sharded/mnist_fsdp.py       # 2 processes: 2 GPUs, or 2 CPU processes (gloo)
+    torchrun --nproc_per_node=gpu src/ch4/sharded/mnist_fsdp.py     # one process per visible GPU
 On a CPU torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores.
 
 Lines marked `# STEP` are what this step changes in mnist_3_ddp.py.
@@ -76,7 +76,7 @@ def evaluate(model, loader, device, precision, unpadded):  # STEP
 def main():
     args = mnist_parser(__doc__).parse_args()
 
-    launch = require_launcher("src/ch4/mnist_fsdp.py")  # STEP
+    launch = require_launcher("src/ch4/sharded/mnist_fsdp.py")  # STEP
     device = device_for(launch)
     init_process_group(launch, device, args.dist_timeout)
     precision = resolve_precision(args.precision, device)

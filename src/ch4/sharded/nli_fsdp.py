@@ -16,8 +16,8 @@ updates that piece. What changes from ddp.py:
     (they come last), so every pair still counts exactly once, even with fewer pairs than ranks.
 
 Run from the repository root (the defaults download bert-base-cased and MultiNLI from the hub):
-    torchrun --nproc_per_node=4 src/ch4/nli_fsdp.py                    # 4 GPUs, global batch 32 = 4 x 8
-    torchrun --nproc_per_node=2 src/ch4/nli_fsdp.py --model path/to/bert --dataset pairs.jsonl   # CPU: gloo
+    torchrun --nproc_per_node=4 src/ch4/sharded/nli_fsdp.py                    # 4 GPUs, global batch 32 = 4 x 8
+    torchrun --nproc_per_node=2 src/ch4/sharded/nli_fsdp.py --model path/to/bert --dataset pairs.jsonl   # CPU: gloo
 
 Lines marked `# STEP` are what this step changes in ddp.py.
 """
@@ -78,7 +78,7 @@ def evaluate(model, loader, device, precision, unpadded):  # STEP
 
 
 def main(args):
-    launch = require_launcher("src/ch4/nli_fsdp.py")  # STEP
+    launch = require_launcher("src/ch4/sharded/nli_fsdp.py")  # STEP
     device = device_for(launch)
     init_process_group(launch, device, args.dist_timeout)
     precision = resolve_precision(args.precision, device)

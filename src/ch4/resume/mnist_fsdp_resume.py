@@ -16,10 +16,10 @@ the whole optimizer state, so the checkpoint is sharded too. What changes from m
     (get_model_state_dict with full_state_dict=True, cpu_offload=True), loadable into BasicNet.
 
 Run from the repository root; a rerun of the same command resumes from the newest checkpoint:
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 src/ch4/mnist_fsdp_resume.py --checkpoint-dir checkpoints/mnist-fsdp
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=gpu --max-restarts=3 src/ch4/mnist_fsdp_resume.py --checkpoint-dir checkpoints/mnist-fsdp
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 src/ch4/resume/mnist_fsdp_resume.py --checkpoint-dir checkpoints/mnist-fsdp
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=gpu --max-restarts=3 src/ch4/resume/mnist_fsdp_resume.py --checkpoint-dir checkpoints/mnist-fsdp
 With --max-restarts torchrun restarts all workers when one dies, and they resume from the checkpoint
-(README.md, "Jobs that fail and come back"). A checkpoint resumes only with the world size that wrote it.
+(docs/resume.md, "Sharded checkpoints (FSDP2)"). A checkpoint resumes only with the world size that wrote it.
 On a CPU torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores.
 
 Lines marked `# STEP` are what this step changes in mnist_fsdp.py.
@@ -95,7 +95,7 @@ def evaluate(model, loader, device, precision, unpadded):
 def main():
     args = add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist-fsdp", every=200).parse_args()  # STEP
 
-    launch = require_launcher("src/ch4/mnist_fsdp_resume.py")  # STEP
+    launch = require_launcher("src/ch4/resume/mnist_fsdp_resume.py")  # STEP
     device = device_for(launch)
     init_process_group(launch, device, args.dist_timeout)
     precision = resolve_precision(args.precision, device)

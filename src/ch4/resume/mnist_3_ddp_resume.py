@@ -16,11 +16,11 @@ mnist_3_ddp.py with checkpoints a restarted job resumes from, bit for bit. What 
   - the trained weights go to DIR/final.pt.
 
 Run from the repository root; a rerun of the same command resumes from the newest checkpoint:
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 src/ch4/mnist_3_ddp_resume.py --checkpoint-dir checkpoints/mnist
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 src/ch4/resume/mnist_3_ddp_resume.py --checkpoint-dir checkpoints/mnist
 With --max-restarts torchrun restarts all workers when one dies, and they resume from the checkpoint;
 the variable gives each restart a fresh rendezvous store (docs/resume.md).
 Under SLURM, a job that requeues itself before its time limit: sbatch -N2 slurm/requeue.sbatch
-src/ch4/mnist_3_ddp_resume.py --checkpoint-dir checkpoints/mnist (see slurm/README.md).
+src/ch4/resume/mnist_3_ddp_resume.py --checkpoint-dir checkpoints/mnist (see slurm/README.md).
 
 Lines marked `# STEP` are what this step changes in mnist_3_ddp.py.
 """
@@ -90,7 +90,7 @@ def evaluate(model, loader, device, precision):
 def main():
     args = add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist", every=200).parse_args()  # STEP
 
-    launch = require_launcher("src/ch4/mnist_3_ddp_resume.py")  # STEP
+    launch = require_launcher("src/ch4/resume/mnist_3_ddp_resume.py")  # STEP
     device = device_for(launch)
     init_process_group(launch, device, args.dist_timeout)
     precision = resolve_precision(args.precision, device)

@@ -10,8 +10,8 @@ at the next unseen batch of the same shuffle; SIGTERM/SIGUSR1 stop all ranks at 
 checkpoint; the trained weights go to DIR/final.pt.
 
 Run from the repository root; a rerun of the same command resumes from the newest checkpoint:
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=4 --max-restarts=3 src/ch4/ddp_resume.py --checkpoint-dir checkpoints/bert
-    sbatch -N2 --gpus-per-node=4 slurm/requeue.sbatch src/ch4/ddp_resume.py --checkpoint-dir checkpoints/bert
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=4 --max-restarts=3 src/ch4/resume/ddp_resume.py --checkpoint-dir checkpoints/bert
+    sbatch -N2 --gpus-per-node=4 slurm/requeue.sbatch src/ch4/resume/ddp_resume.py --checkpoint-dir checkpoints/bert
 (Why the variable: docs/resume.md.)
 
 Lines marked `# STEP` are what this step changes in ddp.py.
@@ -88,7 +88,7 @@ def evaluate(model, loader, device, precision):
 
 
 def main(args):
-    launch = require_launcher("src/ch4/ddp_resume.py")  # STEP
+    launch = require_launcher("src/ch4/resume/ddp_resume.py")  # STEP
     device = device_for(launch)
     init_process_group(launch, device, args.dist_timeout)
     precision = resolve_precision(args.precision, device)
