@@ -5,17 +5,24 @@ returns what rank 0 measured; the tests compare it with one process on the whole
 each planted wrong way with the same reference, which it must miss.
   - gradient clipping by the total norm: DDP, ZeRO stages 1-3 (common/zero.py), FSDP2, Accelerate;
     the wrong way clips each rank's shards by their own norm.
+  - BatchNorm's statistics: per rank (plain BatchNorm under DDP) against the global batch's
+    (common/batch_norm.py's all-reduced stand-in for SyncBatchNorm, whose kernels are CUDA-only);
+  - the token-mean loss of a tiny GPT-2 (common/token_loss.py) over 4 micro-batches of padded
+    sequences of different lengths per rank; the wrong ways average means.
 """
 import copy
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from common.batch_norm import AllRanksBatchNorm2d, BatchNormNet
 from common.fsdp import fully_shard
 from common.spawn import run_in_process_group
+from common.token_loss import WAYS, accumulate, token_loss_sum
 from common.zero import STAGES, ZeRO
 from test_zero import small_model
 
@@ -105,9 +112,102 @@ def clipping(rank):
     return results
 
 
+MICRO_BATCHES, SEQUENCES, LONGEST = 4, 2, 14  # per rank, per micro-batch
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=32, n_positions=LONGEST, n_embd=8, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: the same arithmetic
+    return GPT2LMHeadModel(config).double()
+
+
+def padded(sequences):
+    """Right-padded input_ids and the attention mask that marks the real tokens."""
+    longest = max(len(s) for s in sequences)
+    return {"input_ids": torch.stack([F.pad(s, (0, longest - len(s))) for s in sequences]),
+            "attention_mask": torch.stack([F.pad(torch.ones_like(s), (0, longest - len(s))) for s in sequences])}
+
+
+def all_sequences():
+    """WORLD_SIZE x MICRO_BATCHES x SEQUENCES token-id sequences of 2 to LONGEST tokens."""
+    generator = torch.Generator().manual_seed(3)
+    lengths = torch.randint(2, LONGEST + 1, (WORLD_SIZE * MICRO_BATCHES * SEQUENCES,), generator=generator)
+    return [torch.randint(1, 32, (int(n),), generator=generator) for n in lengths]
+
+
+def micro_batches_of(rank):
+    mine = all_sequences()[rank * MICRO_BATCHES * SEQUENCES:(rank + 1) * MICRO_BATCHES * SEQUENCES]
+    return [padded(mine[i:i + SEQUENCES]) for i in range(0, len(mine), SEQUENCES)]
+
+
+def one_process_token_mean_gradient():
+    """The reference: one process, every sequence in one batch, the mean loss over every real token."""
+    model = tiny_gpt2()
+    loss_sum, count = token_loss_sum(model, **padded(all_sequences()))
+    (loss_sum / count).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def token_losses(rank):
+    """The gradient each way of weighting the loss leaves on this rank, under DDP with accumulation."""
+    gradients = {}
+    for way in WAYS:
+        model = DDP(tiny_gpt2())
+        accumulate(model, micro_batches_of(rank), way)
+        gradients[way] = [p.grad.clone() for p in model.parameters()]
+    return gradients
+
+
+def images_and_labels():
+    generator = torch.Generator().manual_seed(5)
+    return (torch.randn(WORLD_SIZE * PER_RANK, 1, 28, 28, generator=generator, dtype=torch.float64),
+            torch.randint(0, 10, (WORLD_SIZE * PER_RANK,), generator=generator))
+
+
+def batch_norm_net(norm=nn.BatchNorm2d):
+    """Training mode (batch statistics) with dropout off, so that every process does the same arithmetic."""
+    torch.manual_seed(0)
+    model = BatchNormNet(norm).double().train()
+    model.dropout1.eval(), model.dropout2.eval()
+    return model
+
+
+def normalized_step(model, images, labels):
+    """Forward and backward: the output, the first norm's running statistics, the gradients."""
+    output = model(images)
+    F.nll_loss(output, labels).backward()
+    norm = (model.module if isinstance(model, DDP) else model).conv1[1]
+    return {"output": output.detach(), "running": torch.stack([norm.running_mean, norm.running_var]),
+            "grads": [p.grad for p in model.parameters()]}
+
+
+def one_process_batch_norm():
+    return normalized_step(batch_norm_net(), *images_and_labels())
+
+
+def batch_norms(rank, world_size):
+    """Each rank's slice through plain BatchNorm and through the all-reduced one, under DDP; every rank's
+    outputs and running statistics, gathered."""
+    images, labels = images_and_labels()
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    results = {}
+    for name, norm in (("per_rank", nn.BatchNorm2d), ("all_ranks", AllRanksBatchNorm2d)):
+        result = normalized_step(DDP(batch_norm_net(norm)), images[mine], labels[mine])
+        for key in ("output", "running"):
+            every_rank = [torch.empty_like(result[key]) for _ in range(world_size)]
+            dist.all_gather(every_rank, result[key])
+            result[key] = every_rank
+        results[name] = result
+    with pytest.raises(ValueError, match="GPU"):  # torch 2.15: SyncBatchNorm's kernels are CUDA-only
+        nn.SyncBatchNorm.convert_sync_batchnorm(batch_norm_net())(images[mine])
+    return results
+
+
 def every_check(rank, world_size):
     """Every multi-process check in one group: starting processes is the slow part."""
-    return {"clipping": clipping(rank)}
+    return {"clipping": clipping(rank), "token_loss": token_losses(rank), "batch_norm": batch_norms(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +253,30 @@ def test_fsdp2_clip_returns_a_replicated_dtensor(measured):
     assert returned["type"] == "DTensor" and "Replicate" in returned["placements"]
     assert_same(returned["local"], one_process_clipped()[0])
     assert_same(returned["full"], one_process_clipped()[0])
+
+
+def test_token_weighted_loss_equals_one_process_on_the_global_batch(measured):
+    reference = one_process_token_mean_gradient()
+    for got, want in zip(measured["token_loss"]["global_tokens"], reference, strict=True):
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize("way", ["local_tokens", "micro_batch_means"])
+def test_averaging_means_fails(measured, way):
+    reference = one_process_token_mean_gradient()
+    assert not all(torch.allclose(a, b, rtol=1e-3) for a, b in zip(measured["token_loss"][way], reference))
+
+
+def test_batch_statistics_over_all_ranks_equal_one_process(measured):
+    result, reference = measured["batch_norm"]["all_ranks"], one_process_batch_norm()
+    assert_same(torch.cat(result["output"]), reference["output"])
+    for running in result["running"]:
+        assert_same(running, reference["running"])
+    for got, want in zip(result["grads"], reference["grads"], strict=True):
+        assert_same(got, want)
+
+
+def test_per_rank_batch_norm_is_not_one_process(measured):
+    result, reference = measured["batch_norm"]["per_rank"], one_process_batch_norm()
+    assert not torch.allclose(torch.cat(result["output"]), reference["output"], rtol=1e-3)
+    assert not torch.allclose(result["running"][0], result["running"][1], rtol=1e-3)  # the ranks' statistics drift apart
