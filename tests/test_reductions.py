@@ -7,10 +7,14 @@ each planted wrong way with the same reference, which it must miss.
     the wrong way clips each rank's shards by their own norm.
   - BatchNorm's statistics: per rank (plain BatchNorm under DDP) against the global batch's
     (common/batch_norm.py's all-reduced stand-in for SyncBatchNorm, whose kernels are CUDA-only);
+  - fp16 loss scaling: the scaler must unscale the gradients before they are clipped (one process),
+    and every BERT script clips there and says so in --help;
   - the token-mean loss of a tiny GPT-2 (common/token_loss.py) over 4 micro-batches of padded
     sequences of different lengths per rank; the wrong ways average means.
 """
 import copy
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,11 +25,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.batch_norm import AllRanksBatchNorm2d, BatchNormNet
 from common.fsdp import fully_shard
+from common.nli import nli_parser
 from common.spawn import run_in_process_group
 from common.token_loss import WAYS, accumulate, token_loss_sum
 from common.zero import STAGES, ZeRO
 from test_zero import small_model
 
+ROOT = Path(__file__).resolve().parents[1]
+BERT_SCRIPTS = ["nli_dp_minimal.py", "nli_ddp_minimal.py", "data_parallel.py", "nli_loss_in_forward.py", "ddp.py",
+                "ddp_resume.py", "nli_fsdp.py", "nli_accelerate.py"]
 WORLD_SIZE = 3
 PER_RANK = 4
 MAX_NORM = 0.1  # well below the gradient's norm, so that clipping scales it
@@ -280,3 +288,46 @@ def test_per_rank_batch_norm_is_not_one_process(measured):
     result, reference = measured["batch_norm"]["per_rank"], one_process_batch_norm()
     assert not torch.allclose(torch.cat(result["output"]), reference["output"], rtol=1e-3)
     assert not torch.allclose(result["running"][0], result["running"][1], rtol=1e-3)  # the ranks' statistics drift apart
+
+
+def scaled_clip(unscale_first: bool):
+    """One process, fp16-style loss scaling on the CPU (GradScaler scales fp32 gradients as well): the
+    norm clip_grad_norm_ measures and the parameters after the step."""
+    model = clipping_model()
+    optimizer = sgd(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    scaler.scale(F.cross_entropy(model(global_batch()[0]), global_batch()[1])).backward()
+    if unscale_first:
+        scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    scaler.step(optimizer)  # unscales here if unscale_ was not called
+    return norm, [p.detach() for p in model.parameters()]
+
+
+def test_the_scaler_unscales_before_the_clip():
+    reference_norm, reference_params = one_process_clipped()
+    norm, params = scaled_clip(unscale_first=True)
+    assert_same(norm, reference_norm)
+    for got, want in zip(params, reference_params, strict=True):
+        assert_same(got, want)
+    norm, params = scaled_clip(unscale_first=False)  # the wrong order: the scaled norm, 4096 times too large
+    torch.testing.assert_close(norm, reference_norm * 2.0 ** 12)
+    assert not all(torch.allclose(a, b, rtol=1e-3) for a, b in zip(params, reference_params))
+
+
+@pytest.mark.parametrize("script", BERT_SCRIPTS)
+def test_every_bert_script_clips_after_unscaling_and_says_so(script):
+    """In the training loop: backward, unscale_ (fp16), clip, step, in this order."""
+    source = (ROOT / "src" / "ch4" / script).read_text()
+    order = [r"\.backward\(", r"scaler\.unscale_\(optimizer\)", r"clip_grad_norm_\(", r"optimizer(_step\(optimizer, scaler\)|\.step\(\))"]
+    if "scaler" not in source:  # the fp32-only minimal scripts and Accelerate, whose clip unscales itself
+        order.remove(r"scaler\.unscale_\(optimizer\)")
+    positions = [re.search(pattern, source).start() for pattern in order]
+    assert positions == sorted(positions)
+    assert "nli_parser(__doc__" in source  # the flags below, in its --help
+
+
+def test_the_bert_flags_say_that_they_clip():
+    help_text = " ".join(nli_parser("").format_help().split())
+    assert "--max-grad-norm" in help_text and "customarily clips at 1.0" in help_text
+    assert nli_parser("").parse_args([]).max_grad_norm == 1.0
