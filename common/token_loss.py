@@ -4,13 +4,13 @@ global batch, the loss one process would take on all of it.
 Sequences have different lengths, so micro-batches hold different numbers of real (non-padding)
 tokens. Averaging each micro-batch's mean, then averaging those over the k micro-batches and (DDP)
 the N ranks, weights a token of a short micro-batch more than one of a long micro-batch: a mean
-of means, not the mean. This was transformers' gradient-accumulation bug, fixed in 4.46 (2024).
+of means, not the mean: the gradient-accumulation bug transformers' Trainer fixed in 2024.
 
 The right way sums each micro-batch's token losses and divides by the global batch's token count T,
 counted before the first backward and all-reduced over the ranks. DDP then averages the ranks'
 gradients, dividing by N, so each rank multiplies its loss by N: N · sum_r / T, averaged over the
-ranks, is the sum over every rank / T. (transformers' Trainer does the same: num_items_in_batch, and the
-loss times the number of processes.)
+ranks, is the sum over every rank / T. (transformers' Trainer does the same since that fix:
+num_items_in_batch, and the loss times the number of processes.)
 """
 import contextlib
 

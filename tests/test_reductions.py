@@ -78,18 +78,6 @@ def clipped_step(rank, wrapper):
     """One step on this rank's slice: forward, backward, clip, SGD. Returns (norm, full parameters)."""
     model = clipping_model()
     inputs, labels = rank_batch(rank)
-    if wrapper in ("zero", "zero_local_norm"):
-        norms, params = [], []
-        for stage in STAGES:
-            zero = ZeRO(clipping_model(), stage, sgd)
-            F.cross_entropy(zero(inputs), labels).backward()
-            if wrapper == "zero":
-                norms.append(zero.clip_grad_norm_(MAX_NORM))
-            else:  # the planted bug: each rank clips its shards by their own norm
-                norms.append(torch.nn.utils.clip_grad_norm_([unit.shard for unit in zero.units], MAX_NORM))
-            zero.step()
-            params.append(zero.full_parameters())
-        return norms, params
     if wrapper == "accelerate":
         from accelerate import Accelerator
         accelerator = Accelerator(cpu=True)
@@ -111,8 +99,26 @@ def clipped_step(rank, wrapper):
     return norm, [full(p.detach()).clone() for p in model.parameters()]
 
 
+def zero_clipped_steps(rank, shards_own_norm=False):
+    """The same step under ZeRO stages 1-3: ([norm per stage], [full parameters per stage]).
+    shards_own_norm plants the bug: each rank clips its shards by their own norm."""
+    inputs, labels = rank_batch(rank)
+    norms, params = [], []
+    for stage in STAGES:
+        zero = ZeRO(clipping_model(), stage, sgd)
+        F.cross_entropy(zero(inputs), labels).backward()
+        if shards_own_norm:
+            norms.append(torch.nn.utils.clip_grad_norm_([unit.shard for unit in zero.units], MAX_NORM))
+        else:
+            norms.append(zero.clip_grad_norm_(MAX_NORM))
+        zero.step()
+        params.append(zero.full_parameters())
+    return norms, params
+
+
 def clipping(rank):
-    results = {wrapper: clipped_step(rank, wrapper) for wrapper in ("ddp", "fsdp2", "accelerate", "zero", "zero_local_norm")}
+    results = {wrapper: clipped_step(rank, wrapper) for wrapper in ("ddp", "fsdp2", "accelerate")}
+    results["zero"], results["zero_local_norm"] = zero_clipped_steps(rank), zero_clipped_steps(rank, shards_own_norm=True)
     fsdp_norm = results["fsdp2"][0]
     results["fsdp2_returns"] = {"type": type(fsdp_norm).__name__, "placements": str(fsdp_norm.placements),
                                 "local": fsdp_norm.to_local().clone(), "full": fsdp_norm.full_tensor()}
