@@ -14,7 +14,6 @@ CPU stand-in the tests and docs/reductions.md use to show what SyncBatchNorm doe
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from common.mnist import BasicNet
 
@@ -43,8 +42,8 @@ class AllRanksBatchNorm2d(nn.BatchNorm2d):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        count = torch.full((1,), x.numel() / x.shape[1], dtype=x.dtype)
-        count = _SumOverRanks.apply(count)
+        count = torch.full((1,), x.numel() / x.shape[1], dtype=x.dtype, device=x.device)
+        dist.all_reduce(count)  # a constant: no gradient flows through it
         mean = _SumOverRanks.apply(x.sum((0, 2, 3))) / count
         centered = x - mean.view(1, -1, 1, 1)
         var = _SumOverRanks.apply(centered.pow(2).sum((0, 2, 3))) / count  # two passes: no cancellation
@@ -53,6 +52,7 @@ class AllRanksBatchNorm2d(nn.BatchNorm2d):
             self.running_mean.lerp_(mean, self.momentum)
             self.running_var.lerp_(var * count / (count - 1), self.momentum)
         return centered / (var + self.eps).sqrt().view(1, -1, 1, 1) * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+
 
 class BatchNormNet(BasicNet):
     """BasicNet with a BatchNorm after each convolution (conv1 and conv2 become convolution + norm)."""

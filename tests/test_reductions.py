@@ -4,15 +4,14 @@ One gloo group of 3 processes (2 would hide non-associativity), float64, runs ev
 returns what rank 0 measured; the tests compare it with one process on the whole global batch, and
 each planted wrong way with the same reference, which it must miss.
   - gradient clipping by the total norm: DDP, ZeRO stages 1-3 (common/zero.py), FSDP2, Accelerate;
-    the wrong way clips each rank's shards by their own norm.
-  - BatchNorm's statistics: per rank (plain BatchNorm under DDP) against the global batch's
-    (common/batch_norm.py's all-reduced stand-in for SyncBatchNorm, whose kernels are CUDA-only);
-  - fp16 loss scaling: the scaler must unscale the gradients before they are clipped (one process),
-    and every BERT script clips there and says so in --help;
+    the wrong way clips each rank's shards by their own norm;
   - the token-mean loss of a tiny GPT-2 (common/token_loss.py) over 4 micro-batches of padded
-    sequences of different lengths per rank; the wrong ways average means.
+    sequences of different lengths per rank; the wrong ways average means;
+  - BatchNorm's statistics: per rank (plain BatchNorm under DDP) against the global batch's
+    (common/batch_norm.py's all-reduced stand-in for SyncBatchNorm, whose kernels are CUDA-only).
+In one process: fp16 loss scaling must unscale the gradients before they are clipped, every BERT
+script clips there, and its --help says so.
 """
-import copy
 import re
 from pathlib import Path
 
