@@ -12,6 +12,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, not {text}")
+    return value
+
+
 def training_parser(doc: str, batch_size: int, eval_batch_size: int, lr: float,
                     precision: bool = True) -> argparse.ArgumentParser:
     """The flags every chapter script shares; its help text is the script's docstring, so --help shows

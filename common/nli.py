@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
-from common.cli import positive_int, training_parser
+from common.cli import positive_float, positive_int, training_parser
 from common.distributed import print0
 
 LABELS = ("entailment", "neutral", "contradiction")
@@ -49,6 +49,10 @@ def nli_parser(doc: str, precision: bool = True, lr: float = 5e-5, max_steps: in
                         help="stop training after this many optimizer steps "
                              f"(default: {max_steps or 'every step of --epochs'})")
     parser.add_argument("--max-length", type=positive_int, default=128, help="truncate each pair to this many tokens")
+    parser.add_argument("--max-grad-norm", type=positive_float, default=1.0,
+                        help="scale the gradient down to this total 2-norm when it is larger, the norm over the whole "
+                             "model after averaging over the processes; fine-tuning customarily clips at 1.0, "
+                             "inf turns clipping off (default: 1.0)")
     return parser
 
 

@@ -83,7 +83,8 @@ class _Unit:
 class ZeRO(nn.Module):
     """Wrap a module for ZeRO data parallelism at `stage` 1, 2 or 3; `optimizer` builds the optimizer
     from a list of parameters (e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)) and is given
-    this rank's shards only. Train with loss.backward(), then step(), then zero_grad()."""
+    this rank's shards only. Train with loss.backward(), optionally clip_grad_norm_(max_norm), then
+    step(), then zero_grad()."""
 
     def __init__(self, module: nn.Module, stage: int, optimizer: Callable[[list], torch.optim.Optimizer]):
         super().__init__()
@@ -125,15 +126,39 @@ class ZeRO(nn.Module):
             if self.stage == 3:
                 unit.free()
 
-    def step(self) -> None:
-        """Average the gradients (stage 1 here, stages 2-3 did it in backward), update this rank's
-        shards, and all-gather the updated parameters (stages 1-2; stage 3 gathers them on use)."""
+    def _average_gradients(self) -> None:
+        """Leave each shard's gradient averaged over the ranks: stage 1 reduce-scatters here (once, if
+        clip_grad_norm_ has not already), stages 2-3 did it in backward."""
         for unit in self.units:
             if self.stage == 1:
-                unit.reduce_scatter_gradients()
+                if unit.params[0].grad is not None:
+                    unit.reduce_scatter_gradients()
             elif unit.grads_ready != len(unit.params):
                 raise RuntimeError(f"{unit.grads_ready} of {len(unit.params)} gradients of "
                                    f"{type(unit.module).__name__} arrived: call backward() once before step()")
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their total 2-norm over the whole model is at most max_norm, as
+        torch.nn.utils.clip_grad_norm_ does on one process; return the total norm before clipping.
+
+        Each rank holds a shard of the averaged gradient, so the norm of its shards alone is not the
+        model's: the squared total norm is the sum over ranks of each rank's squared shard norms (the
+        padding is zero), one all-reduce of one number. Every rank gets the same norm and the same
+        factor, and the clipped shards are the shards of the gradient one process would clip."""
+        self._average_gradients()
+        squares = sum(unit.shard.grad.pow(2).sum() for unit in self.units)
+        dist.all_reduce(squares)
+        total_norm = squares.sqrt()
+        factor = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)  # torch's formula, so that results match
+        for unit in self.units:
+            unit.shard.grad.mul_(factor)
+        return total_norm
+
+    def step(self) -> None:
+        """Average the gradients (unless clip_grad_norm_ did), update this rank's shards, and all-gather
+        the updated parameters (stages 1-2; stage 3 gathers them on use)."""
+        self._average_gradients()
+        for unit in self.units:
             unit.grads_ready = 0
         self.optimizer.step()
         if self.stage < 3:

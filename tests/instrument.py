@@ -7,7 +7,8 @@ Each process writes OUT_DIR/rank{RANK}.pt at exit, with
     all-reduce; None where the step computes them itself from a closure, as Lightning's does), and the
     parameters after the last step, read from the optimizer, so nothing in the script changes (after
     the last step, not at exit: Lightning's trainer.test() copies rank 0's weights to every rank);
-  - the indices every DistributedSampler handed this rank, one list per epoch.
+  - the indices every DistributedSampler handed this rank, one list per epoch;
+  - every training loss this rank computed with F.nll_loss or F.cross_entropy, in order.
 Under FSDP2 parameters and gradients are DTensors: each rank records its own piece (to_local()), and
 the test puts the pieces back together.
 Training forward passes run without dropout, so that a step can be recomputed exactly in one
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data.distributed import DistributedSampler
 
-record = {"initial": None, "grads": None, "final": None, "indices": []}
+record = {"initial": None, "grads": None, "final": None, "indices": [], "losses": []}
 
 
 def parameters(optimizer) -> list:
@@ -54,6 +55,15 @@ def recording_iter(sampler):
     return iter(indices)
 
 
+def recording_losses(loss_function):
+    def loss(*args, **kwargs):
+        value = loss_function(*args, **kwargs)
+        if torch.is_grad_enabled():  # training, not evaluation
+            record["losses"].append(value.item())
+        return value
+    return loss
+
+
 def dropout_only_in_evaluation(self, x):
     return x if torch.is_grad_enabled() else F.dropout(x, self.p, self.training, self.inplace)
 
@@ -67,6 +77,7 @@ if __name__ == "__main__":
     original_iter = DistributedSampler.__iter__
     DistributedSampler.__iter__ = recording_iter
     nn.Dropout.forward = dropout_only_in_evaluation
+    F.nll_loss, F.cross_entropy = recording_losses(F.nll_loss), recording_losses(F.cross_entropy)
     register_optimizer_step_pre_hook(before_step)
     register_optimizer_step_post_hook(after_step)
     atexit.register(save)

@@ -6,6 +6,7 @@ the indices each DistributedSampler handed out per epoch. From those:
   - every rank ends with the same weights (DDP keeps the replicas identical);
   - the first step used the gradient of one process on the whole global batch (DDP averages);
   - each epoch deals every rank a new share of the shuffle (set_epoch), and the shares are disjoint;
+  - the printed training loss is the mean over every rank's steps, not rank 0's;
   - the printed accuracy has the correct count of one process evaluating the final weights on the
     whole evaluation set, not only the right number of images.
 All runs use --precision fp32, so that the single-process reference computes the same numbers.
@@ -42,6 +43,15 @@ def printed_correct(stdout: str, total: int, unit: str) -> int:
     """The correct count behind 'accuracy P% over N images': P has two decimals, so it is unique for N < 10 000."""
     percent = float(re.search(rf"accuracy ([\d.]+)% over {total} {unit}", stdout).group(1))
     return round(percent * total / 100)
+
+
+def printed_and_recorded_losses(stdout: str, ranks: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each printed epoch loss (4 decimals); the mean over the ranks of each rank's mean over that epoch's
+    recorded steps (what it should be); rank 0's mean alone (what a rank-local print would show)."""
+    printed = torch.tensor([float(x) for x in re.findall(r"epoch \d+: mean training loss ([\d.]+)", stdout)])
+    per_epoch = len(ranks[0]["losses"]) // len(printed)
+    epochs = torch.stack([torch.tensor(rank["losses"]).reshape(len(printed), per_epoch).mean(dim=1) for rank in ranks])
+    return printed, epochs.mean(dim=0), epochs[0]
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +114,13 @@ def test_first_step_is_one_process_on_the_global_batch(mnist_runs, tiny_mnist, n
     assert not close(ranks[0]["grads"], gradients(batch[:per_rank]))  # the check can fail: rank 0's batch alone
 
 
+@pytest.mark.parametrize("name", list(MNIST_RUNS))
+def test_the_printed_loss_is_the_mean_over_ranks(mnist_runs, name):
+    printed, over_ranks, rank_0 = printed_and_recorded_losses(*mnist_runs[name])
+    torch.testing.assert_close(printed, over_ranks, atol=6e-5, rtol=0)
+    assert (printed - rank_0).abs().max() > 5e-4  # the check can fail: rank 0's own mean is not what is printed
+
+
 @pytest.mark.parametrize("name", ["torchrun 2", "torchrun 3", "lightning torchrun 2"])  # Lightning calls set_epoch
 def test_each_epoch_deals_new_disjoint_shares(mnist_runs, name):
     _, ranks = mnist_runs[name]
@@ -154,6 +171,8 @@ def test_bert_accuracy_and_replicas(tiny_bert, nli_pairs, tmp_path, launcher, sc
     for other in ranks[1:]:
         assert all(torch.equal(a, b) for a, b in zip(ranks[0]["final"], other["final"]))
     assert printed_correct(stdout, EVAL_PAIRS, "pairs") == bert_correct(tiny_bert, nli_pairs, ranks[0]["final"])
+    printed, over_ranks, _ = printed_and_recorded_losses(stdout, ranks)
+    torch.testing.assert_close(printed, over_ranks, atol=6e-5, rtol=0)
 
 
 def bert_correct(tiny_bert, nli_pairs, weights) -> int:

@@ -27,7 +27,7 @@ from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_pa
 from common.precision import Autocast, autocast, grad_scaler, optimizer_step, resolve_precision
 
 
-def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, steps_left, progress):
+def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, max_grad_norm, steps_left, progress):
     """One pass over this process's share of the pairs, or fewer if steps_left runs out first."""
     model.train()
     loss_sum = torch.zeros((), device=device)
@@ -41,6 +41,8 @@ def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, 
             loss = nn.functional.cross_entropy(model(**batch).logits, labels)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # fp16: the true gradients, so that the norm is measured on them
+        nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)  # the total norm of the whole averaged gradient
         if optimizer_step(optimizer, scaler):  # False where fp16 loss scaling skipped the step
             scheduler.step()
         loss_sum += loss.detach()
@@ -90,7 +92,7 @@ def main(args):
     for epoch in range(args.epochs):
         start = time.perf_counter()
         loss, steps = train_epoch(model, train_loader, optimizer, scheduler, scaler, device, precision,
-                                  total_steps - steps_done, progress)
+                                  args.max_grad_norm, total_steps - steps_done, progress)
         train_seconds += time.perf_counter() - start
         steps_done += steps
         print0(f"epoch {epoch}: mean training loss {loss:.4f}, learning rate {scheduler.get_last_lr()[0]:.3e}")

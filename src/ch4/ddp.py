@@ -33,7 +33,7 @@ from common.precision import autocast, grad_scaler, optimizer_step, resolve_prec
 from common.samplers import DistributedEvalSampler  # STEP
 
 
-def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, steps_left, progress):
+def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, max_grad_norm, steps_left, progress):
     """One pass over this process's share of the pairs, or fewer if steps_left runs out first."""
     model.train()
     loss_sum = torch.zeros((), device=device)
@@ -47,6 +47,8 @@ def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, 
             loss = nn.functional.cross_entropy(model(**batch).logits, labels)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # fp16: the true gradients, so that the norm is measured on them
+        nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)  # the total norm of the whole averaged gradient
         if optimizer_step(optimizer, scaler):  # False where fp16 loss scaling skipped the step
             scheduler.step()
         loss_sum += loss.detach()
@@ -99,7 +101,7 @@ def main(args):
         train_sampler.set_epoch(epoch)  # STEP: a new shuffle each epoch, the same on every rank
         start = time.perf_counter()
         loss, steps = train_epoch(model, train_loader, optimizer, scheduler, scaler, device, precision,
-                                  total_steps - steps_done, progress)
+                                  args.max_grad_norm, total_steps - steps_done, progress)
         train_seconds += time.perf_counter() - start
         steps_done += steps
         loss = sum_across_ranks(loss, device=device)[0] / launch.world_size  # STEP: the mean over ranks, not rank 0's

@@ -35,7 +35,7 @@ from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_pa
 from common.precision import accelerate_mixed_precision  # STEP
 
 
-def train_epoch(model, loader, optimizer, scheduler, accelerator, device, steps_left, progress):  # STEP
+def train_epoch(model, loader, optimizer, scheduler, accelerator, device, max_grad_norm, steps_left, progress):  # STEP
     """One pass over this process's share of the pairs, or fewer if steps_left runs out first."""
     model.train()
     loss_sum = torch.zeros((), device=device)
@@ -48,6 +48,7 @@ def train_epoch(model, loader, optimizer, scheduler, accelerator, device, steps_
         loss = nn.functional.cross_entropy(model(**batch).logits, labels)  # STEP: prepare() put autocast in forward
         optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss)  # STEP: scales the loss for fp16, then runs backward
+        accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)  # STEP: unscales fp16 gradients first
         optimizer.step()  # STEP
         scheduler.step()  # STEP: prepare()d, it skips the steps that fp16 loss scaling skipped
         loss_sum += loss.detach()
@@ -105,7 +106,7 @@ def training_function(args):  # STEP: what notebook_launcher runs in each proces
     for epoch in range(args.epochs):
         start = time.perf_counter()
         loss, steps = train_epoch(model, train_loader, optimizer, scheduler, accelerator, device,  # STEP
-                                  total_steps - steps_done, progress)
+                                  args.max_grad_norm, total_steps - steps_done, progress)
         train_seconds += time.perf_counter() - start
         steps_done += steps
         loss = sum_across_ranks(loss, device=device)[0] / accelerator.num_processes  # STEP

@@ -45,6 +45,7 @@ def main(args):
             loss = nn.functional.cross_entropy(model(**batch).logits, labels)
             optimizer.zero_grad()
             loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
             step += 1
             if step % 10 == 0:

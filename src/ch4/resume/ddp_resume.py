@@ -38,7 +38,7 @@ from common.samplers import ResumableDistributedSampler  # STEP
 from common.stop_signal import StopSignal  # STEP
 
 
-def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, steps_left, progress,  # STEP
+def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, max_grad_norm, steps_left, progress,  # STEP
                 position, checkpoints, stop):  # STEP
     """One pass over this process's share of the pairs, or fewer if steps_left runs out first."""
     model.train()
@@ -53,6 +53,8 @@ def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, 
             loss = nn.functional.cross_entropy(model(**batch).logits, labels)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # fp16: the true gradients, so that the norm is measured on them
+        nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)  # the total norm of the whole averaged gradient
         if optimizer_step(optimizer, scaler):  # False where fp16 loss scaling skipped the step
             scheduler.step()
         loss_sum += loss.detach()
@@ -129,7 +131,7 @@ def main(args):
         train_sampler.set_epoch(epoch, position.batches_done)  # STEP: the same shuffle, minus the batches done
         start = time.perf_counter()
         loss, steps = train_epoch(model, train_loader, optimizer, scheduler, scaler, device, precision,
-                                  total_steps - position.step, progress, position, checkpoints, stop)  # STEP
+                                  args.max_grad_norm, total_steps - position.step, progress, position, checkpoints, stop)  # STEP
         train_seconds += time.perf_counter() - start
         steps_done += steps
         loss = sum_across_ranks(loss, device=device)[0] / launch.world_size

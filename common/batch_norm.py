@@ -1,0 +1,63 @@
+"""Batch normalization under data parallelism: statistics of the global batch, not of each rank's part.
+
+In training, BatchNorm normalizes each channel by the mean and variance of the batch it is given.
+Under DDP that batch is the rank's 1/N of the global batch, so every rank normalizes by different
+numbers, the forward is not one process's forward on the global batch, and each rank's running
+statistics follow its own data (DDP then broadcasts rank 0's buffers before each forward: the other
+ranks' statistics are thrown away). nn.SyncBatchNorm.convert_sync_batchnorm(model) replaces each
+BatchNorm by one that all-reduces the per-channel sums, so that every rank normalizes by the global
+batch's statistics; its kernels are CUDA-only (torch 2.15 refuses CPU tensors with a ValueError).
+
+AllRanksBatchNorm2d computes the same statistics with plain all-reduces, which run on gloo too: the
+CPU stand-in the tests and docs/reductions.md use to show what SyncBatchNorm does.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from common.mnist import BasicNet
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """An all-reduce (sum) that autograd goes through: the gradient of a sum over ranks is the sum
+    over ranks of the gradients, so backward all-reduces too."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class AllRanksBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm2d whose training statistics are those of the batch over all ranks (what SyncBatchNorm
+    computes on GPUs): each rank contributes its per-channel count, sum and sum of squared deviations."""
+
+    def forward(self, x):
+        if not self.training:
+            return super().forward(x)
+        count = torch.full((1,), x.numel() / x.shape[1], dtype=x.dtype, device=x.device)
+        dist.all_reduce(count)  # a constant: no gradient flows through it
+        mean = _SumOverRanks.apply(x.sum((0, 2, 3))) / count
+        centered = x - mean.view(1, -1, 1, 1)
+        var = _SumOverRanks.apply(centered.pow(2).sum((0, 2, 3))) / count  # two passes: no cancellation
+        with torch.no_grad():  # the running statistics, as nn.BatchNorm2d keeps them (unbiased variance)
+            self.num_batches_tracked.add_(1)
+            self.running_mean.lerp_(mean, self.momentum)
+            self.running_var.lerp_(var * count / (count - 1), self.momentum)
+        return centered / (var + self.eps).sqrt().view(1, -1, 1, 1) * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+
+
+class BatchNormNet(BasicNet):
+    """BasicNet with a BatchNorm after each convolution (conv1 and conv2 become convolution + norm)."""
+
+    def __init__(self, norm: type[nn.Module] = nn.BatchNorm2d):
+        super().__init__()
+        self.conv1 = nn.Sequential(self.conv1, norm(32))
+        self.conv2 = nn.Sequential(self.conv2, norm(64))
