@@ -23,8 +23,10 @@ is the Ultra-Scale Playbook's condition: a gradient reduction issued during back
 as backward lasts (DDP, ZeRO-2), ZeRO-3/FSDP's prefetched gathers and reductions as far as the whole
 forward and backward last; ZeRO-1's reductions and the all-gather after the step are exposed.
 
-A network preset is the bandwidth of each GPU's own link across nodes (one NIC per GPU, as in a DGX
-H100 with eight 400 Gb/s ConnectX-7); within a node the --intra preset applies. benchmarks/plan_check.py
+Within a node the --intra link applies (NVLink by default). Across nodes, a ring (NCCL's rings, one per
+NIC) carries 2(N−1)/N·S in and out of each node in all, so it runs at the node's bandwidth (its NICs
+together: eight 400 Gb/s for ib400, as in a DGX H100; one NIC for the Ethernet presets), or at the
+GPU's NVLink rate if that is lower. benchmarks/plan_check.py
 measures what can be measured here (bytes per rank, and step times on CPU processes) beside these
 predictions.
 """
@@ -59,17 +61,19 @@ GPUS = {  # NVIDIA datasheets: H100 SXM5 (2023), A100 SXM4 80GB (2021), V100 SXM
 
 @dataclass(frozen=True)
 class Link:
-    """Bandwidth in bytes/s each way, per GPU, and latency per message in seconds."""
+    """One link's bandwidth in bytes/s each way and latency per message in seconds; across nodes, a node
+    has `per_node` of them (one per GPU in a DGX/HGX H100, one per node on a typical Ethernet cluster)."""
     name: str
     bandwidth: float
     latency: float
+    per_node: int = 1
 
 
-NETWORKS = {  # NVLink 4 (H100): 900 GB/s both ways per GPU; IB NDR ConnectX-7: 400 Gb/s; Ethernet: line rate
-    "nvlink": Link("NVLink 4", 450e9, 3e-6),
-    "ib400": Link("InfiniBand NDR 400 Gb/s", 50e9, 5e-6),
-    "100gbe": Link("100 GbE", 12.5e9, 20e-6),
-    "10gbe": Link("10 GbE", 1.25e9, 50e-6),
+NETWORKS = {  # line rates: NVLink 4 (H100 datasheet: 900 GB/s both ways per GPU), ConnectX-7 NDR, Ethernet
+    "nvlink": Link("NVLink 4", 450e9, 3e-6, 8),
+    "ib400": Link("InfiniBand 400 Gb/s, one per GPU", 50e9, 5e-6, 8),
+    "100gbe": Link("100 GbE, one per node", 12.5e9, 20e-6),
+    "10gbe": Link("10 GbE, one per node", 1.25e9, 50e-6),
 }
 
 
@@ -95,12 +99,13 @@ def memory_bytes(strategy: str, params: int, shards: int, precision: str = "mixe
                  for term, per_param in enumerate(BYTES_PER_PARAM[precision]))
 
 
-def activation_bytes(model: Model, batch: int, seq: int, precision: str) -> float | None:
-    """Korthikanti et al.'s activations of one forward, without recomputation; None without the shape."""
+def activation_bytes(model: Model, batch: int, seq: int, precision: str, recompute: bool = False) -> float | None:
+    """Korthikanti et al.'s activations of one forward (with full recomputation, only each layer's input,
+    2·s·b·h); None without the shape."""
     if None in (model.layers, model.hidden, model.heads):
         return None
     s, h, a = seq, model.hidden, model.heads
-    return model.layers * s * batch * h * (34 + 5 * a * s / h) * (2 if precision == "fp32" else 1)
+    return model.layers * s * batch * h * (2 if recompute else 34 + 5 * a * s / h) * (2 if precision == "fp32" else 1)
 
 
 def step_flops(model: Model, tokens: int, seq: int) -> float:
@@ -146,7 +151,8 @@ def communication(strategy: str, params: int, gpus: int, per_node: int, precisio
     param_bytes, grad_bytes, _ = BYTES_PER_PARAM[precision]
     grads, weights = grad_bytes * params, param_bytes * params
     nodes = gpus // per_node
-    link = intra if nodes == 1 else Link(f"{intra.name} + {inter.name}", min(intra.bandwidth, inter.bandwidth),
+    node_bandwidth = inter.bandwidth * min(inter.per_node, per_node)
+    link = intra if nodes == 1 else Link(f"{intra.name} + {inter.name}", min(intra.bandwidth, node_bandwidth),
                                          max(intra.latency, inter.latency))
     reduce_scatter = "all_reduce" if gloo else "reduce_scatter"
     if strategy == "ddp":
@@ -163,20 +169,22 @@ def communication(strategy: str, params: int, gpus: int, per_node: int, precisio
         return (ring_seconds(reduce_scatter, grads, gpus, link), 2 * ring_seconds("all_gather", weights, gpus, link),
                 "all-gather the parameters in forward and in backward, reduce-scatter the gradients")
     within = ring_seconds(reduce_scatter, grads, per_node, intra) + 2 * ring_seconds("all_gather", weights, per_node, intra)
-    across = ring_seconds("all_reduce", grads / per_node, nodes, inter)  # each GPU's shard, over its own NIC
+    # each GPU all-reduces its gradient shard with its peers in the other nodes; the node's GPUs share its NICs
+    across = ring_seconds("all_reduce", grads / per_node, nodes, Link(inter.name, node_bandwidth / per_node, inter.latency))
     return across, within, "FSDP within each node; all-reduce each GPU's gradient shard across nodes"
 
 
 def plan(strategy: str, model: Model, gpus: int, per_node: int, gpu: GPU, intra: Link, inter: Link,
          precision: str = "mixed", batch: int = 8, seq: int = 512, mfu: float = 0.4, compression: str = "none",
-         overlap: bool = True, gloo: bool = False) -> Plan:
-    """The prediction for one strategy; batch is per GPU."""
+         overlap: bool = True, gloo: bool = False, recompute: bool = False) -> Plan:
+    """The prediction for one strategy; batch is per GPU. recompute: activation checkpointing, which
+    keeps each layer's input only and runs the forward twice (8 FLOPs per parameter per token, not 6)."""
     shards = per_node if strategy == "hsdp" else gpus
     parts = memory_bytes(strategy, model.params, shards, precision)
-    activations = activation_bytes(model, batch, seq, precision)
+    activations = activation_bytes(model, batch, seq, precision, recompute)
     total = sum(parts) + (activations or 0)
     peak = gpu.flops_fp32 if precision == "fp32" else gpu.flops_16bit
-    compute = step_flops(model, batch * seq, seq) / (peak * mfu)
+    compute = step_flops(model, batch * seq, seq) * (4 / 3 if recompute else 1) / (peak * mfu)
     during_backward, rest, what = communication(strategy, model.params, gpus, per_node, precision, intra, inter,
                                                 compression, model, gloo)
     if not overlap or strategy == "zero1":
@@ -255,6 +263,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
                         help="mixed: 16-bit weights and gradients, fp32 master and Adam (default); fp32")
     parser.add_argument("--batch", type=positive(int), default=8, help="sequences PER GPU per step (default: 8)")
     parser.add_argument("--seq", type=positive(int), default=512, help="tokens per sequence (default: 512)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="activation checkpointing: keep each layer's input only, run the forward twice")
     parser.add_argument("--layers", type=positive(int), help="with --params: layers, for activations and attention")
     parser.add_argument("--hidden", type=positive(int), help="with --params: hidden size")
     parser.add_argument("--heads", type=positive(int), help="with --params: attention heads")
@@ -265,8 +275,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     parser.add_argument("--intra", type=preset(NETWORKS, "network"), default=NETWORKS["nvlink"],
                         help=f"link within a node: {', '.join(NETWORKS)} (default: nvlink)")
     parser.add_argument("--network", type=preset(NETWORKS, "network"), default=NETWORKS["ib400"],
-                        help=f"link across nodes, per GPU: {', '.join(NETWORKS)} (default: ib400)")
-    parser.add_argument("--bandwidth-gbps", type=positive(float), help="across nodes by hand: Gb/s per GPU")
+                        help=f"links across nodes: {', '.join(NETWORKS)} (default: ib400)")
+    parser.add_argument("--bandwidth-gbps", type=positive(float), help="across nodes by hand: Gb/s per node")
     parser.add_argument("--latency-us", type=positive(float), help="across nodes by hand: µs per message")
     parser.add_argument("--compression", choices=["none", "fp16", "powersgd1", "powersgd4"], default="none",
                         help="DDP communication hook: fp16_compress_hook, or PowerSGD at rank 1 or 4 (needs --model)")
@@ -299,7 +309,7 @@ def main(argv=None) -> None:
               gpu.memory_bytes if args.memory_gb is None else args.memory_gb * GB)
     inter = args.network
     if args.bandwidth_gbps or args.latency_us:
-        inter = Link("by hand", args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps else inter.bandwidth,
+        inter = Link("by hand", args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps else inter.bandwidth * inter.per_node,
                      args.latency_us * 1e-6 if args.latency_us else inter.latency)
     compression, powersgd_rank = args.compression, None
     if compression.startswith("powersgd"):
@@ -308,12 +318,12 @@ def main(argv=None) -> None:
                       {1: model.powersgd_numel[powersgd_rank]})
         compression = "powersgd"
     plans = [plan(name, model, args.gpus, args.gpus_per_node, gpu, args.intra, inter, args.precision, args.batch,
-                  args.seq, args.mfu, compression) for name in args.strategy]
+                  args.seq, args.mfu, compression, recompute=args.recompute) for name in args.strategy]
     if args.json:
         print(json.dumps({"params": model.params, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
                           "gpu": asdict(gpu), "intra": asdict(args.intra), "network": asdict(inter),
                           "precision": args.precision, "batch_per_gpu": args.batch, "seq": args.seq,
-                          "mfu": args.mfu, "compression": args.compression,
+                          "mfu": args.mfu, "compression": args.compression, "recompute": args.recompute,
                           "plans": [asdict(p) for p in plans]}, indent=1))
         return
     nodes = args.gpus // args.gpus_per_node
@@ -321,7 +331,8 @@ def main(argv=None) -> None:
           f"({nodes} node{'s' * (nodes > 1)} of {args.gpus_per_node}; {args.intra.name} within"
           + (f", {inter.name} across" if nodes > 1 else "") + f"), {args.precision} precision, Adam; "
           f"batch {args.batch} × {args.seq} tokens per GPU; MFU {args.mfu:g}"
-          + (f"; compression {args.compression}" if args.compression != "none" else "") + "; GB = 10^9 bytes")
+          + (f"; compression {args.compression}" if args.compression != "none" else "")
+          + ("; activation checkpointing" if args.recompute else "") + "; GB = 10^9 bytes")
     for p in plans:
         print(f"{p.strategy}: {p.total_bytes / GB:.1f} GB per GPU")
     print()
