@@ -123,6 +123,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from plotting import finish
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
     for index, run in enumerate(RUNS):
         mine = [row for row in rows if row["run"] == run]
@@ -144,10 +145,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8, title="run (label: processes)", title_fontsize=8)
     axes[1].set_title("shaded: within 25 %", fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"saved {path}")
+    finish(fig, path, title)
 
 
 def main():
