@@ -32,7 +32,7 @@ predictions.
 """
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from common.allreduce import bytes_sent_per_rank
 
@@ -85,7 +85,7 @@ class Model:
     layers: int | None = None
     hidden: int | None = None
     heads: int | None = None
-    powersgd_numel: dict | None = None  # rank -> elements PowerSGD sends (from the parameter shapes)
+    powersgd_numel: dict | None = None  # PowerSGD's rank -> the elements it sends (from the parameter shapes)
 
 
 class PlanError(ValueError):
@@ -132,7 +132,7 @@ class Plan:
     optimizer_bytes: float
     activation_bytes: float | None
     total_bytes: float
-    fits: bool | None
+    fits: bool
     compute_s: float
     communication_s: float
     hidden_s: float
@@ -158,8 +158,8 @@ def communication(strategy: str, params: int, gpus: int, per_node: int, precisio
     if strategy == "ddp":
         if compression == "fp16":
             grads = min(grads, 2 * params)
-        elif compression == "powersgd":
-            grads = grad_bytes * sum(model.powersgd_numel.values())
+        elif compression.startswith("powersgd"):  # its own compute, and its effect on accuracy, are left out
+            grads = grad_bytes * model.powersgd_numel[int(compression.removeprefix("powersgd"))]
         return ring_seconds("all_reduce", grads, gpus, link), 0.0, f"all-reduce {grads / GB:.3g} GB of gradients"
     if strategy in ("zero1", "zero2"):
         reduce = ring_seconds(reduce_scatter, grads, gpus, link)
@@ -195,7 +195,7 @@ def plan(strategy: str, model: Model, gpus: int, per_node: int, gpu: GPU, intra:
         hidden = min(during_backward, 2 / 3 * compute)  # backward is two thirds of the compute
     exposed = during_backward + rest - hidden
     step = compute + exposed
-    return Plan(STRATEGIES[strategy], *parts, activations, total, total <= gpu.memory_bytes if gpu else None,
+    return Plan(STRATEGIES[strategy], *parts, activations, total, total <= gpu.memory_bytes,
                 compute, during_backward + rest, hidden, exposed, step, batch * gpus / step, compute / step, what)
 
 
@@ -303,22 +303,19 @@ def main(argv=None) -> None:
             Model(args.params, 0, args.layers, args.hidden, args.heads)
     except PlanError as error:
         parser.error(str(error))
-    gpu = args.gpu
-    gpu = GPU(gpu.name if args.peak_tflops is None else "by hand", *(gpu.flops_16bit, gpu.flops_fp32)
-              if args.peak_tflops is None else (args.peak_tflops * 1e12,) * 2,
-              gpu.memory_bytes if args.memory_gb is None else args.memory_gb * GB)
-    inter = args.network
-    if args.bandwidth_gbps or args.latency_us:
-        inter = Link("by hand", args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps else inter.bandwidth * inter.per_node,
-                     args.latency_us * 1e-6 if args.latency_us else inter.latency)
-    compression, powersgd_rank = args.compression, None
-    if compression.startswith("powersgd"):
-        powersgd_rank = int(compression[-1])
-        model = Model(model.params, model.embedding_params, model.layers, model.hidden, model.heads,
-                      {1: model.powersgd_numel[powersgd_rank]})
-        compression = "powersgd"
+    gpu, inter = args.gpu, args.network
+    if args.peak_tflops:
+        gpu = replace(gpu, name=f"{gpu.name} at {args.peak_tflops:g} TFLOP/s", flops_16bit=args.peak_tflops * 1e12,
+                      flops_fp32=args.peak_tflops * 1e12)
+    if args.memory_gb:
+        gpu = replace(gpu, name=f"{gpu.name} with {args.memory_gb:g} GB", memory_bytes=args.memory_gb * GB)
+    if args.bandwidth_gbps:
+        inter = replace(inter, name=f"{args.bandwidth_gbps:g} Gb/s per node", bandwidth=args.bandwidth_gbps * 1e9 / 8,
+                        per_node=1)
+    if args.latency_us:
+        inter = replace(inter, name=f"{inter.name}, {args.latency_us:g} µs", latency=args.latency_us * 1e-6)
     plans = [plan(name, model, args.gpus, args.gpus_per_node, gpu, args.intra, inter, args.precision, args.batch,
-                  args.seq, args.mfu, compression, recompute=args.recompute) for name in args.strategy]
+                  args.seq, args.mfu, args.compression, recompute=args.recompute) for name in args.strategy]
     if args.json:
         print(json.dumps({"params": model.params, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
                           "gpu": asdict(gpu), "intra": asdict(args.intra), "network": asdict(inter),
