@@ -85,6 +85,7 @@ def plot(rows: list[tuple], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from plotting import finish
     world_sizes = sorted({r[0] for r in rows})
     sizes = sorted({r[1] for r in rows})
     fig, axes = plt.subplots(1, len(world_sizes), figsize=(5.5 * len(world_sizes), 4.2), sharey=True, squeeze=False)
@@ -108,10 +109,7 @@ def plot(rows: list[tuple], path: str, title: str) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("bus bandwidth 2(N-1)/N·S/t, GB/s")
     axes[0][-1].legend(fontsize=8, title="measured (dashed: cost model)", title_fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"saved {path}")
+    finish(fig, path, title)
 
 
 def main():

@@ -1,6 +1,15 @@
 """The one chart the benchmarks draw: labelled horizontal bars, lower is better."""
 
 
+def finish(fig, path: str, title: str | None = None) -> None:
+    """Title the figure (the machine, as a rule), lay it out and save it as a PNG."""
+    if title is not None:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"saved {path}")
+
+
 def bar_chart(values: dict[str, float], annotations: list[str], xlabel: str, title: str, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")  # no display needed

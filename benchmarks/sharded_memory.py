@@ -11,7 +11,7 @@ For each world size N it starts N gloo processes on this machine and trains a BE
     glibc's mmap threshold is fixed at 64 KB (MALLOC_MMAP_THRESHOLD_) so that a freed tensor goes
     back to the system at once and the peak follows live tensors, not the allocator's free lists;
   - the median step time, the slowest rank's, and its ratio to DDP's in the same run.
-The formula (ZeRO paper, fp32 with AdamW): 4Ψ parameters + 4Ψ gradients + 8Ψ optimizer state on every
+The formula (ZeRO paper, fp32 with AdamW; common.plan.memory_bytes): 4Ψ parameters + 4Ψ gradients + 8Ψ optimizer state on every
 rank under DDP; ZeRO-1 divides the optimizer term by N, ZeRO-2 the gradients too, ZeRO-3 (and FSDP2)
 all three. (In mixed precision it is 2Ψ + 2Ψ + 12Ψ: bf16 weights and gradients, and an fp32 master
 copy with the two moments; these wrappers train in fp32.)
@@ -29,18 +29,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.fsdp import fully_shard
+from common.plan import memory_bytes
 from common.spawn import run_in_process_group
 from common.zero import ZeRO
 
-RUNS = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2"]
+RUNS = {"DDP": "ddp", "ZeRO-1": "zero1", "ZeRO-2": "zero2", "ZeRO-3": "zero3", "FSDP2": "fsdp"}  # -> common.plan's
 MB = 2**20
-
-
-def formula_bytes(run: str, psi: int, world_size: int) -> tuple[float, float, float]:
-    """Parameters, gradients, optimizer state per rank for fp32 AdamW (ZeRO paper's accounting)."""
-    stage = 3 if run == "FSDP2" else 0 if run == "DDP" else int(run[-1])
-    return (4 * psi / (world_size if stage >= 3 else 1), 4 * psi / (world_size if stage >= 2 else 1),
-            8 * psi / (world_size if stage >= 1 else 1))
 
 
 def storage_bytes(tensors) -> int:
@@ -154,7 +148,7 @@ def main():
             worst = {key: max(rank[key] for rank in ranks) for key in ("params", "grads", "optimizer", "step_s")}
             peaks = [rank["peak_mb"] for rank in ranks]
             worst["peak_mb"] = None if None in peaks else max(peaks)
-            rows.append((world_size, run, worst, formula_bytes(run, psi, world_size)))
+            rows.append((world_size, run, worst, memory_bytes(RUNS[run], psi, world_size, "fp32")))
     unit, size = ("MB", MB) if 4 * psi >= 10 * MB else ("KB", 2**10)
     print(f"Ψ = {psi:,} parameters; {unit} = {size:,} bytes; measured (formula), the largest over ranks")
     print(f"| ranks | run | parameters {unit} | gradients {unit} | optimizer state {unit} | optimizer / formula "

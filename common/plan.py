@@ -1,0 +1,351 @@
+"""Plan before you rent: memory per GPU and time per step for DDP, ZeRO-1/2/3, FSDP and HSDP.
+
+    python -m common.plan --params 7.5e9 --gpus 64 --precision mixed          # the ZeRO paper's Figure 1
+    python -m common.plan --model bert-base-uncased --gpus 8 --gpu H100 --intra nvlink
+    python -m common.plan --params 7e9 --gpus 64 --gpus-per-node 8 --network ib400 --strategy zero3 hsdp --json
+
+Memory per GPU (the ZeRO paper's accounting, Rajbhandari et al. 2020, Figure 1 and section 3): Ψ
+parameters trained with Adam hold, on every rank, parameters, gradients and K·Ψ bytes of optimizer state:
+  fp32   4Ψ + 4Ψ + 8Ψ      (K = 8: the two moments)
+  mixed  2Ψ + 2Ψ + 12Ψ     (bf16/fp16 weights and gradients; K = 12: an fp32 master copy and the moments)
+ZeRO-1 divides the optimizer term by the N ranks that shard it, ZeRO-2 the gradients too, ZeRO-3 and FSDP
+all three; HSDP shards like FSDP within a node and replicates across nodes (the shard count is the GPUs
+per node). Activations are an estimate (Korthikanti et al. 2022, "Reducing activation recomputation",
+section 4.1: s·b·h·(34 + 5·a·s/h) bytes per transformer layer in 16-bit, twice that in fp32); they need
+the layer count, width and heads, which --model reads from the config.
+
+Time per step: compute is 6 FLOPs per parameter per token (the matrices; embeddings do no matmul) plus
+the attention scores, 6·L·s·h per token (Kaplan et al. 2020, table 1, times 3 for forward and backward),
+at a stated model FLOPs utilisation (MFU) of the GPU's peak. Communication is the ring's cost model,
+common.allreduce.bytes_sent_per_rank, plus one latency per ring step: an all-reduce of S bytes sends
+2(N−1)/N·S per rank in 2(N−1) steps, a reduce-scatter or an all-gather half of that. What overlap hides
+is the Ultra-Scale Playbook's condition: a gradient reduction issued during backward is hidden as far
+as backward lasts (DDP, ZeRO-2), ZeRO-3/FSDP's prefetched gathers and reductions as far as the whole
+forward and backward last; ZeRO-1's reductions and the all-gather after the step are exposed.
+
+Within a node the --intra link applies (NVLink by default). Across nodes, a ring (NCCL's rings, one per
+NIC) carries 2(N−1)/N·S in and out of each node in all, so it runs at the node's bandwidth (its NICs
+together: eight 400 Gb/s for ib400, as in a DGX H100; one NIC for the Ethernet presets), or at the
+GPU's NVLink rate if that is lower. benchmarks/plan_check.py
+measures what can be measured here (bytes per rank, and step times on CPU processes) beside these
+predictions.
+"""
+import argparse
+import json
+from dataclasses import asdict, dataclass, replace
+
+from common.allreduce import bytes_sent_per_rank
+
+GB = 1e9
+STRATEGIES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP", "hsdp": "HSDP"}
+SHARDED_TERMS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}  # optimizer, + grads, + params
+BYTES_PER_PARAM = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # parameters, gradients, optimizer state (K)
+
+
+@dataclass(frozen=True)
+class GPU:
+    """Peak dense FLOP/s (16-bit tensor cores, and fp32 without TF32) and memory, from the vendor's datasheet."""
+    name: str
+    flops_16bit: float
+    flops_fp32: float
+    memory_bytes: float
+
+
+GPUS = {  # NVIDIA datasheets: H100 SXM5 (2023), A100 SXM4 80GB (2021), V100 SXM2 (2020, fp16: no bf16), L4 (2023)
+    "H100": GPU("H100 SXM 80GB", 989e12, 67e12, 80e9),
+    "A100": GPU("A100 SXM 80GB", 312e12, 19.5e12, 80e9),
+    "V100": GPU("V100 SXM2 32GB", 125e12, 15.7e12, 32e9),
+    "L4": GPU("L4 24GB", 121e12, 30.3e12, 24e9),
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link's bandwidth in bytes/s each way and latency per message in seconds; across nodes, a node
+    has `per_node` of them (one per GPU in a DGX/HGX H100, one per node on a typical Ethernet cluster)."""
+    name: str
+    bandwidth: float
+    latency: float
+    per_node: int = 1
+
+
+NETWORKS = {  # line rates: NVLink 4 (H100 datasheet: 900 GB/s both ways per GPU), ConnectX-7 NDR, Ethernet
+    "nvlink": Link("NVLink 4", 450e9, 3e-6, 8),
+    "ib400": Link("InfiniBand 400 Gb/s, one per GPU", 50e9, 5e-6, 8),
+    "100gbe": Link("100 GbE, one per node", 12.5e9, 20e-6),
+    "10gbe": Link("10 GbE, one per node", 1.25e9, 50e-6),
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the plan needs to know of a model: its parameter count and, when known, its shape."""
+    params: int
+    embedding_params: int = 0
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    powersgd_numel: dict | None = None  # PowerSGD's rank -> the elements it sends (from the parameter shapes)
+
+
+class PlanError(ValueError):
+    """Input the plan cannot use; the message is one sentence for the user."""
+
+
+def memory_bytes(strategy: str, params: int, shards: int, precision: str = "mixed") -> tuple[float, float, float]:
+    """Parameters, gradients and optimizer state per GPU, in bytes, when `shards` ranks share them."""
+    sharded = SHARDED_TERMS[strategy]
+    return tuple(per_param * params / (shards if sharded >= 3 - term else 1)
+                 for term, per_param in enumerate(BYTES_PER_PARAM[precision]))
+
+
+def activation_bytes(model: Model, batch: int, seq: int, precision: str, recompute: bool = False) -> float | None:
+    """Korthikanti et al.'s activations of one forward (with full recomputation, only each layer's input,
+    2·s·b·h); None without the shape."""
+    if None in (model.layers, model.hidden, model.heads):
+        return None
+    s, h, a = seq, model.hidden, model.heads
+    return model.layers * s * batch * h * (2 if recompute else 34 + 5 * a * s / h) * (2 if precision == "fp32" else 1)
+
+
+def step_flops(model: Model, tokens: int, seq: int) -> float:
+    """FLOPs of one forward and backward over `tokens` tokens."""
+    attention = 6 * model.layers * seq * model.hidden if model.layers and model.hidden else 0
+    return tokens * (6 * (model.params - model.embedding_params) + attention)
+
+
+def ring_seconds(kind: str, size_bytes: float, ranks: int, link: Link) -> float:
+    """One ring collective: all_reduce, or reduce_scatter / all_gather (half an all-reduce)."""
+    if ranks == 1 or size_bytes == 0:
+        return 0.0
+    fraction = 1 if kind == "all_reduce" else 0.5
+    steps = 2 * (ranks - 1) * fraction
+    return steps * link.latency + fraction * bytes_sent_per_rank("ring", size_bytes, ranks) / link.bandwidth
+
+
+@dataclass
+class Plan:
+    """One strategy's prediction, per GPU; seconds per step, bytes per GPU."""
+    strategy: str
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float | None
+    total_bytes: float
+    fits: bool
+    compute_s: float
+    communication_s: float
+    hidden_s: float
+    exposed_s: float
+    step_s: float
+    samples_per_s: float
+    scaling_efficiency: float
+    communication: str
+
+
+def communication(strategy: str, params: int, gpus: int, per_node: int, precision: str, intra: Link, inter: Link,
+                  compression: str = "none", model: Model | None = None, gloo: bool = False) -> tuple[float, float, str]:
+    """Seconds of communication per step: (reduced during backward, the rest), and what moves.
+
+    gloo=True: gloo computes reduce_scatter_tensor as a whole all-reduce (common/zero.py's docstring)."""
+    param_bytes, grad_bytes, _ = BYTES_PER_PARAM[precision]
+    grads, weights = grad_bytes * params, param_bytes * params
+    nodes = gpus // per_node
+    node_bandwidth = inter.bandwidth * min(inter.per_node, per_node)
+    link = intra if nodes == 1 else Link(f"{intra.name} + {inter.name}", min(intra.bandwidth, node_bandwidth),
+                                         max(intra.latency, inter.latency))
+    reduce_scatter = "all_reduce" if gloo else "reduce_scatter"
+    if strategy == "ddp":
+        if compression == "fp16":
+            grads = min(grads, 2 * params)
+        elif compression.startswith("powersgd"):  # its own compute, and its effect on accuracy, are left out
+            grads = grad_bytes * model.powersgd_numel[int(compression.removeprefix("powersgd"))]
+        return ring_seconds("all_reduce", grads, gpus, link), 0.0, f"all-reduce {grads / GB:.3g} GB of gradients"
+    if strategy in ("zero1", "zero2"):
+        reduce = ring_seconds(reduce_scatter, grads, gpus, link)
+        gather = ring_seconds("all_gather", weights, gpus, link)
+        return reduce, gather, "reduce-scatter the gradients, all-gather the parameters after the step"
+    if strategy in ("zero3", "fsdp"):
+        return (ring_seconds(reduce_scatter, grads, gpus, link), 2 * ring_seconds("all_gather", weights, gpus, link),
+                "all-gather the parameters in forward and in backward, reduce-scatter the gradients")
+    within = ring_seconds(reduce_scatter, grads, per_node, intra) + 2 * ring_seconds("all_gather", weights, per_node, intra)
+    # each GPU all-reduces its gradient shard with its peers in the other nodes; the node's GPUs share its NICs
+    across = ring_seconds("all_reduce", grads / per_node, nodes, Link(inter.name, node_bandwidth / per_node, inter.latency))
+    return across, within, "FSDP within each node; all-reduce each GPU's gradient shard across nodes"
+
+
+def plan(strategy: str, model: Model, gpus: int, per_node: int, gpu: GPU, intra: Link, inter: Link,
+         precision: str = "mixed", batch: int = 8, seq: int = 512, mfu: float = 0.4, compression: str = "none",
+         overlap: bool = True, gloo: bool = False, recompute: bool = False) -> Plan:
+    """The prediction for one strategy; batch is per GPU. recompute: activation checkpointing, which
+    keeps each layer's input only and runs the forward twice (8 FLOPs per parameter per token, not 6)."""
+    shards = per_node if strategy == "hsdp" else gpus
+    parts = memory_bytes(strategy, model.params, shards, precision)
+    activations = activation_bytes(model, batch, seq, precision, recompute)
+    total = sum(parts) + (activations or 0)
+    peak = gpu.flops_fp32 if precision == "fp32" else gpu.flops_16bit
+    compute = step_flops(model, batch * seq, seq) * (4 / 3 if recompute else 1) / (peak * mfu)
+    during_backward, rest, what = communication(strategy, model.params, gpus, per_node, precision, intra, inter,
+                                                compression, model, gloo)
+    if not overlap or strategy == "zero1":
+        hidden = 0.0
+    elif strategy in ("zero3", "fsdp", "hsdp"):
+        hidden = min(during_backward + rest, compute)  # prefetched gathers run under forward and backward
+    else:
+        hidden = min(during_backward, 2 / 3 * compute)  # backward is two thirds of the compute
+    exposed = during_backward + rest - hidden
+    step = compute + exposed
+    return Plan(STRATEGIES[strategy], *parts, activations, total, total <= gpu.memory_bytes,
+                compute, during_backward + rest, hidden, exposed, step, batch * gpus / step, compute / step, what)
+
+
+def count_parameters(name: str) -> Model:
+    """Parameters of a hub model or a local config folder, counted on the meta device: no weights are
+    loaded or downloaded. Hub names are looked up in the local cache only."""
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError):
+        raise PlanError(f"--model {name}: no config.json there and not in the Hugging Face cache (nothing is "
+                        "downloaded): pass a local folder holding the model's config.json") from None
+    return model_of_config(config)
+
+
+def model_of_config(config, model_class=None, powersgd_ranks=(1, 4)) -> Model:
+    """A transformers config's model built on the meta device (AutoModel unless model_class), counted."""
+    import torch
+    from transformers import AutoModel
+    with torch.device("meta"):
+        model = (model_class or AutoModel).from_config(config)
+    params = list(model.parameters())  # a tied parameter once
+    embeddings = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
+    powersgd = {rank: sum(min(p.numel(), rank * (p.shape[0] + p[0].numel())) if p.dim() > 1 else p.numel()
+                          for p in params) for rank in powersgd_ranks}
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    shape = [getattr(text, key, None) for key in ("num_hidden_layers", "hidden_size", "num_attention_heads")]
+    return Model(sum(p.numel() for p in params), embeddings, *shape, powersgd)
+
+
+def positive(kind):
+    """An argparse type: a number above zero (floats accept 7.5e9)."""
+    def parse(text: str):
+        try:
+            value = kind(float(text)) if kind is int else kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be above zero, not {text}")
+        return value
+    return parse
+
+
+def preset(table: dict, what: str):
+    """An argparse type: a key of table, case-insensitive, with the known ones named when it is not."""
+    def parse(text: str):
+        found = {key.lower(): value for key, value in table.items()}.get(text.lower())
+        if found is None:
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; known: {', '.join(table)}")
+        return found
+    return parse
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    parser = argparse.ArgumentParser(prog="python -m common.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", type=positive(int), help="parameter count, e.g. 7e9")
+    size.add_argument("--model", help="a hub name (from the local cache) or a folder with a config.json")
+    parser.add_argument("--gpus", type=positive(int), default=8, help="GPUs in all (default: 8)")
+    parser.add_argument("--gpus-per-node", type=positive(int), help="(default: 8, or --gpus if fewer)")
+    parser.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
+                        help="one or more (default: all)")
+    parser.add_argument("--precision", choices=BYTES_PER_PARAM, default="mixed",
+                        help="mixed: 16-bit weights and gradients, fp32 master and Adam (default); fp32")
+    parser.add_argument("--batch", type=positive(int), default=8, help="sequences PER GPU per step (default: 8)")
+    parser.add_argument("--seq", type=positive(int), default=512, help="tokens per sequence (default: 512)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="activation checkpointing: keep each layer's input only, run the forward twice")
+    parser.add_argument("--layers", type=positive(int), help="with --params: layers, for activations and attention")
+    parser.add_argument("--hidden", type=positive(int), help="with --params: hidden size")
+    parser.add_argument("--heads", type=positive(int), help="with --params: attention heads")
+    parser.add_argument("--gpu", type=preset(GPUS, "GPU"), default=GPUS["H100"], help=f"{', '.join(GPUS)} (default: H100)")
+    parser.add_argument("--peak-tflops", type=positive(float), help="peak FLOP/s by hand, in TFLOP/s (replaces the preset's)")
+    parser.add_argument("--memory-gb", type=positive(float), help="GPU memory by hand, in GB")
+    parser.add_argument("--mfu", type=positive(float), default=0.4, help="model FLOPs utilisation (default: 0.4)")
+    parser.add_argument("--intra", type=preset(NETWORKS, "network"), default=NETWORKS["nvlink"],
+                        help=f"link within a node: {', '.join(NETWORKS)} (default: nvlink)")
+    parser.add_argument("--network", type=preset(NETWORKS, "network"), default=NETWORKS["ib400"],
+                        help=f"links across nodes: {', '.join(NETWORKS)} (default: ib400)")
+    parser.add_argument("--bandwidth-gbps", type=positive(float), help="across nodes by hand: Gb/s per node")
+    parser.add_argument("--latency-us", type=positive(float), help="across nodes by hand: µs per message")
+    parser.add_argument("--compression", choices=["none", "fp16", "powersgd1", "powersgd4"], default="none",
+                        help="DDP communication hook: fp16_compress_hook, or PowerSGD at rank 1 or 4 (needs --model)")
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts instead of text")
+    args = parser.parse_args(argv)
+    args.gpus_per_node = args.gpus_per_node or min(8, args.gpus)
+    if args.gpus_per_node > args.gpus:
+        parser.error(f"--gpus-per-node {args.gpus_per_node} is more than --gpus {args.gpus}")
+    if args.gpus % args.gpus_per_node:
+        parser.error(f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node}")
+    if args.mfu > 1:
+        parser.error(f"--mfu {args.mfu:g} is above 1: it is a fraction of the peak")
+    if args.compression.startswith("powersgd") and not args.model:
+        parser.error("PowerSGD's bytes depend on the parameter shapes: give --model instead of --params")
+    if args.compression != "none" and args.strategy != ["ddp"]:
+        parser.error("communication hooks are DDP's (register_comm_hook): use --strategy ddp with --compression")
+    return args, parser
+
+
+def main(argv=None) -> None:
+    args, parser = parse_args(argv)
+    try:
+        model = count_parameters(args.model) if args.model else \
+            Model(args.params, 0, args.layers, args.hidden, args.heads)
+    except PlanError as error:
+        parser.error(str(error))
+    gpu, inter = args.gpu, args.network
+    if args.peak_tflops:
+        gpu = replace(gpu, name=f"{gpu.name} at {args.peak_tflops:g} TFLOP/s", flops_16bit=args.peak_tflops * 1e12,
+                      flops_fp32=args.peak_tflops * 1e12)
+    if args.memory_gb:
+        gpu = replace(gpu, name=f"{gpu.name} with {args.memory_gb:g} GB", memory_bytes=args.memory_gb * GB)
+    if args.bandwidth_gbps:
+        inter = replace(inter, name=f"{args.bandwidth_gbps:g} Gb/s per node", bandwidth=args.bandwidth_gbps * 1e9 / 8,
+                        per_node=1)
+    if args.latency_us:
+        inter = replace(inter, name=f"{inter.name}, {args.latency_us:g} µs", latency=args.latency_us * 1e-6)
+    plans = [plan(name, model, args.gpus, args.gpus_per_node, gpu, args.intra, inter, args.precision, args.batch,
+                  args.seq, args.mfu, args.compression, recompute=args.recompute) for name in args.strategy]
+    if args.json:
+        print(json.dumps({"params": model.params, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
+                          "gpu": asdict(gpu), "intra": asdict(args.intra), "network": asdict(inter),
+                          "precision": args.precision, "batch_per_gpu": args.batch, "seq": args.seq,
+                          "mfu": args.mfu, "compression": args.compression, "recompute": args.recompute,
+                          "plans": [asdict(p) for p in plans]}, indent=1))
+        return
+    nodes = args.gpus // args.gpus_per_node
+    print(f"{model.params / 1e9:.4g} B parameters ({model.params:,}), {args.gpus} × {gpu.name} "
+          f"({nodes} node{'s' * (nodes > 1)} of {args.gpus_per_node}; {args.intra.name} within"
+          + (f", {inter.name} across" if nodes > 1 else "") + f"), {args.precision} precision, Adam; "
+          f"batch {args.batch} × {args.seq} tokens per GPU; MFU {args.mfu:g}"
+          + (f"; compression {args.compression}" if args.compression != "none" else "")
+          + ("; activation checkpointing" if args.recompute else "") + "; GB = 10^9 bytes")
+    for p in plans:
+        print(f"{p.strategy}: {p.total_bytes / GB:.1f} GB per GPU")
+    print()
+    print("| strategy | params GB | grads GB | optimizer GB | activations GB | total GB | fits "
+          f"{gpu.memory_bytes / GB:g} GB | compute ms | comm ms | hidden ms | exposed ms | step ms | samples/s "
+          "| scaling eff. | what moves |")
+    print("|---|" + "---:|" * 13 + "---|")
+    for p in plans:
+        activations = "n/a" if p.activation_bytes is None else f"{p.activation_bytes / GB:.1f}"
+        print(f"| {p.strategy} | {p.params_bytes / GB:.2f} | {p.grads_bytes / GB:.2f} | {p.optimizer_bytes / GB:.2f} "
+              f"| {activations} | {p.total_bytes / GB:.1f} | {'yes' if p.fits else 'NO'} | {p.compute_s * 1e3:.1f} "
+              f"| {p.communication_s * 1e3:.1f} | {p.hidden_s * 1e3:.1f} | {p.exposed_s * 1e3:.1f} "
+              f"| {p.step_s * 1e3:.1f} | {p.samples_per_s:,.0f} | {p.scaling_efficiency:.0%} | {p.communication} |")
+    if model.layers is None:
+        print("Activations not counted: give --model, or --layers, --hidden and --heads.")
+
+
+if __name__ == "__main__":
+    main()

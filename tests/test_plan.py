@@ -1,0 +1,112 @@
+"""python -m common.plan: the published memory figures exactly, a model counted from its config, bad input,
+and benchmarks/plan_check.py's measured bytes per rank within 1 % of the plan's at toy size."""
+import json
+import sys
+
+import pytest
+from transformers import AutoModelForSequenceClassification
+
+from common.plan import GPUS, NETWORKS, Model, main, memory_bytes, plan
+from conftest import PYTHON, ROOT, assert_clear_error
+
+sys.path.insert(0, str(ROOT / "benchmarks"))  # plan_check imports its neighbour sharded_memory
+import plan_check  # noqa: E402
+
+
+def plan_lines(capsys, *argv) -> dict[str, float]:
+    """strategy -> GB per GPU, from the `<strategy>: <X> GB per GPU` lines."""
+    main([str(a) for a in argv])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.endswith(" GB per GPU")]
+    return {line.split(": ")[0]: float(line.split(": ")[1].split()[0]) for line in lines}
+
+
+def test_zero_paper_figure_1(capsys):
+    """Rajbhandari et al. 2020, Figure 1: Ψ = 7.5 B, N = 64, K = 12: 120, 31.4, 16.6 and 1.9 GB per GPU."""
+    found = plan_lines(capsys, "--params", "7.5e9", "--gpus", "64", "--precision", "mixed",
+                       "--strategy", "ddp", "zero1", "zero2", "zero3")
+    assert found == {"DDP": 120.0, "ZeRO-1": 31.4, "ZeRO-2": 16.6, "ZeRO-3": 1.9}
+
+
+@pytest.mark.parametrize("params, gb", [("1e9", 16.0), ("7e9", 112.0)])
+def test_playbook_memory_table(capsys, params, gb):
+    """The Ultra-Scale Playbook: parameters, gradients and Adam in mixed precision, 16 bytes a parameter."""
+    assert plan_lines(capsys, "--params", params, "--gpus", "1", "--strategy", "ddp") == {"DDP": gb}
+
+
+def test_hsdp_shards_within_a_node_and_compression_shrinks_ddp_traffic():
+    """HSDP holds FSDP's memory at the node's GPU count; over a slow network it communicates less than FSDP
+    over all 64 GPUs (its parameter gathers stay in the node); fp16 compression halves fp32 DDP's all-reduce."""
+    model, args = Model(7_000_000_000), (GPUS["H100"], NETWORKS["nvlink"], NETWORKS["100gbe"])
+    hsdp, fsdp8 = plan("hsdp", model, 64, 8, *args), plan("fsdp", model, 8, 8, *args)
+    assert hsdp.total_bytes == fsdp8.total_bytes == 16 * 7e9 / 8
+    fsdp64 = plan("fsdp", model, 64, 8, *args)
+    assert fsdp64.total_bytes < hsdp.total_bytes and hsdp.communication_s < 0.75 * fsdp64.communication_s
+    fp32 = plan("ddp", model, 64, 8, *args, precision="fp32")
+    fp16 = plan("ddp", model, 64, 8, *args, precision="fp32", compression="fp16")
+    assert fp16.communication_s == pytest.approx(fp32.communication_s / 2, rel=1e-3)
+    assert memory_bytes("zero2", 1000, 4, "fp32") == (4000, 1000, 2000)
+
+
+def test_by_hand_presets(capsys):
+    """Peak FLOP/s, memory and the network by hand: a 10 GbE cluster makes DDP's all-reduce of 2 GB
+    (1 B parameters, bf16 gradients) take 2·(N−1)/N · 2 GB / 1.25 GB/s, plus one latency per ring step."""
+    main(["--params", "1e9", "--gpus", "16", "--strategy", "ddp", "--peak-tflops", "100", "--memory-gb", "24",
+          "--bandwidth-gbps", "10", "--latency-us", "50", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpu"]["flops_16bit"] == 100e12 and out["gpu"]["memory_bytes"] == 24e9
+    ddp = out["plans"][0]
+    assert ddp["communication_s"] == pytest.approx(2 * 15 / 16 * 2e9 / 1.25e9 + 2 * 15 * 50e-6)
+    assert ddp["fits"] is True  # 16 GB of state, no activations counted without the shape
+
+
+def test_model_counted_on_the_meta_device(capsys, tiny_bert):
+    """--model reads the config only: the count is that of the real model, and the JSON says so."""
+    from transformers import AutoModel
+    real = sum(p.numel() for p in AutoModel.from_pretrained(tiny_bert).parameters())
+    main(["--model", str(tiny_bert), "--gpus", "2", "--strategy", "ddp", "--json", "--compression", "powersgd1"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == real
+    assert out["plans"][0]["activation_bytes"] > 0  # layers, width and heads came from the config
+
+
+@pytest.mark.parametrize("argv, phrase", [
+    (["--params", "1e9", "--gpu", "B200"], "unknown GPU 'B200'; known: H100, A100, V100, L4"),
+    (["--params", "1e9", "--network", "carrier-pigeon"], "unknown network 'carrier-pigeon'"),
+    (["--params", "0"], "must be above zero, not 0"),
+    (["--params", "1e9", "--gpus", "-8"], "must be above zero, not -8"),
+    (["--params", "1e9", "--gpus", "8", "--gpus-per-node", "16"], "--gpus-per-node 16 is more than --gpus 8"),
+    (["--params", "1e9", "--compression", "powersgd4"], "give --model instead of --params"),
+])
+def test_bad_input_gets_one_sentence(capsys, argv, phrase):
+    """argparse's way: the usage, then one sentence; exit 2."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("python -m common.plan: error: ") and phrase in last
+
+
+def test_uncached_hub_name_offline(run_command):
+    """As a user runs it, offline: a hub name that is not in the cache gets one sentence, no traceback."""
+    result = run_command(PYTHON, "-m", "common.plan", "--model", "no-such-org/no-such-model", timeout=120)
+    assert_clear_error(result, "pass a local folder holding the model's config.json")
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("python -m common.plan: error:")
+
+
+def test_plan_check_bytes_within_one_percent(tiny_bert):
+    """benchmarks/plan_check.py's check(), in real gloo processes under DDP, ZeRO-1/2/3 and FSDP2: every byte
+    row within 1 % of the plan. The control: ZeRO-1's optimizer state at 2 ranks is far from DDP's formula,
+    so the 1 % test tells the strategies apart. (Its step times are printed, not asserted: no timed asserts.)"""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(tiny_bert)
+    rows = plan_check.check(config, [2], batch=2, length=8, steps=2)
+    assert [row["run"] for row in rows] == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2"]
+    for row in rows:
+        for part in plan_check.PARTS:
+            assert row["measured"][part] == pytest.approx(row["predicted"][part], rel=0.01), (row["run"], part)
+    psi = sum(p.numel() for p in AutoModelForSequenceClassification.from_config(config).parameters())
+    zero1 = rows[1]["measured"]["optimizer"]
+    assert zero1 == pytest.approx(memory_bytes("zero1", psi, 2, "fp32")[2], rel=0.01)
+    assert abs(zero1 / memory_bytes("ddp", psi, 2, "fp32")[2] - 1) > 0.4
+    table = plan_check.table(rows, psi)
+    assert "| 2 | ZeRO-3 |" in table and "step time: median error" in table
