@@ -168,7 +168,6 @@ def test_a_rank_stuck_outside_a_collective_is_found_by_its_stacks():
 def test_a_dead_rank_is_the_root_cause_in_torchruns_summary():
     result = gallery("dead_rank")
     assert result.returncode != 0
-    assert "Connection closed by peer" in result.stderr or "Timed out" in result.stderr  # rank 0: the consequence
     cause = root_cause(result)
     assert "rank      : 1 (local_rank: 1)" in cause, cause
     assert "ValueError: rank 1: batch 2 holds a non-finite input" in cause, cause  # @record's traceback
