@@ -107,10 +107,12 @@ def test_dump_stacks_on_hang_is_silent_when_the_block_finishes(diagnoses):
 
 # The gallery: each planted bug once, each fixed twin once, as a user launches them.
 
-def gallery(name, *flags, processes=2, debug=None):
+def gallery(name, *flags, processes=2, debug=None, monitor=0.1):
+    """Launch a gallery program with torchrun; monitor: how often torchrun checks its workers (when one
+    fails it stops the others at the next check: a longer interval lets every rank print its error)."""
     env = {"OMP_NUM_THREADS": "1", **({"TORCH_DISTRIBUTED_DEBUG": debug} if debug else {})}
-    return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", f"src/ch4/debugging/{name}.py", *flags,
-                       timeout=120, env_extra=env)
+    return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", f"--monitor-interval={monitor}",
+                       f"src/ch4/debugging/{name}.py", *flags, timeout=120, env_extra=env)
 
 
 def root_cause(result) -> str:
@@ -138,7 +140,7 @@ def test_each_fixed_twin_runs_clean(name, processes, debug, printed):
 
 
 def test_a_collective_on_rank_0_only_is_named_by_the_fingerprint_check():
-    result = gallery("rank0_collective", debug="DETAIL")
+    result = gallery("rank0_collective", debug="DETAIL", monitor=1)  # both ranks print their side
     assert result.returncode != 0
     assert re.search(r"Rank 0 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLREDUCE, "
                      r"TensorShape=\[\], TensorDtypes=Float", result.stderr), result.stderr[-3000:]
@@ -148,7 +150,7 @@ def test_a_collective_on_rank_0_only_is_named_by_the_fingerprint_check():
 
 
 def test_a_shape_mismatch_is_named_by_the_fingerprint_check():
-    result = gallery("shape_mismatch", debug="DETAIL")
+    result = gallery("shape_mismatch", debug="DETAIL", monitor=1)  # both ranks print their side
     assert result.returncode != 0
     for rank, shape in ((0, 51), (1, 50)):
         assert re.search(rf"Rank {rank} is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, "
