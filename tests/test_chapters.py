@@ -20,6 +20,9 @@ STEPS = [*zip(MNIST_LADDER, MNIST_LADDER[1:]),  # each script is one step from t
          ("sharded/mnist_fsdp.py", "resume/mnist_fsdp_resume.py"),  # the FSDP script, restartable: sharded checkpoints
          ("mnist_3_ddp.py", "mnist_5_lightning.py")]  # Lightning, like Accelerate, takes over step 3's plumbing
 BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py"]
+# Not rungs: each program of the debugging gallery holds one bug and, behind --fixed, its fix
+# (tests/test_debugging.py runs both).
+GALLERY = sorted(f"debugging/{path.name}" for path in (ROOT / "src" / "ch4" / "debugging").glob("*.py"))
 MARK = "# STEP"
 DELETIONS = {  # unmarked lines of the earlier script that a step deletes on purpose
     ("mnist_3_ddp.py", "mnist_4_accelerate.py"): ["precision = resolve_precision(args.precision, device)"],
@@ -84,7 +87,7 @@ def test_base_scripts_mark_nothing(base):
 
 def test_every_chapter_script_is_checked():
     """In every chapter folder too: a script added to src/ch4/resume/ without a parent is caught here."""
-    checked = {name for pair in STEPS for name in pair} | set(BASES)
+    checked = {name for pair in STEPS for name in pair} | set(BASES) | set(GALLERY)
     ch4 = ROOT / "src" / "ch4"
     assert checked == {path.relative_to(ch4).as_posix() for path in ch4.rglob("*.py")}
 
