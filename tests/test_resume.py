@@ -207,3 +207,15 @@ def test_fsdp_checkpoint_of_another_precision_is_refused_before_its_shards_load(
     assert "step-00000012 belongs to another run (precision bf16 there, fp32 here)" in result.stderr, result.stderr[-3000:]
     assert "]: Traceback" not in result.stderr, result.stderr[-3000:]
     assert {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()} == before  # nothing lost
+
+
+def test_truncated_shard_falls_back_to_the_checkpoint_before(fsdp_uninterrupted, tmp_path, capsys):
+    """A shard file cut short (a node died while the filesystem flushed it) is not a checkpoint: rank 0
+    skips the folder, with a warning, and picks the one before. No process group: rank 0's choice alone."""
+    folder = shutil.copytree(fsdp_uninterrupted, tmp_path / "copy")
+    shard = folder / "step-00000012" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    checkpoints = ShardedCheckpoints(folder, 4, fingerprint={}, device=torch.device("cpu"))
+    metadata, name = checkpoints._newest_that_loads()
+    assert name == "step-00000008" and metadata["position"]["step"] == 8
+    assert f"skipping {folder / 'step-00000012'}: it does not load (EOFError)" in capsys.readouterr().err
