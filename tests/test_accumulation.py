@@ -9,7 +9,7 @@ from common import accumulation
 from common.mnist import BasicNet
 from common.spawn import run_in_process_group
 
-STEPS, MICRO, WORLD = 4, 3, 2  # accumulation steps, samples per micro-batch per rank, processes
+STEPS, MICRO, WORLD = 4, 3, 3  # accumulation steps, samples per micro-batch per rank, processes (3: 2 hide the order of sums)
 VARIANTS = ["sync_every_micro_batch", "no_sync_around_backward_only", "no_sync_around_forward_and_backward",
             "accelerate_accumulate"]
 
