@@ -32,7 +32,7 @@ from test_zero import small_model
 
 ROOT = Path(__file__).resolve().parents[1]
 BERT_SCRIPTS = ["nli_dp_minimal.py", "nli_ddp_minimal.py", "data_parallel.py", "nli_loss_in_forward.py", "ddp.py",
-                "ddp_resume.py", "nli_fsdp.py", "nli_accelerate.py"]
+                "resume/ddp_resume.py", "sharded/nli_fsdp.py", "nli_accelerate.py"]
 WORLD_SIZE = 3
 PER_RANK = 4
 MAX_NORM = 0.1  # well below the gradient's norm, so that clipping scales it
