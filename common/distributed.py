@@ -4,6 +4,7 @@ torchrun (and `accelerate launch`, which runs torchrun) exports RANK, LOCAL_RANK
 SLURM's `srun` exports SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS instead. Plain `python`
 exports neither: one process, and no process group is needed.
 """
+import atexit
 import builtins
 import contextlib
 import os
@@ -187,3 +188,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def exit_process(code: int = 0) -> None:
+    """End this process now, its output flushed, without the interpreter's own teardown.
+
+    For after destroy_process_group() where something still holds the process group: FSDP2's state
+    does (torch 2.15: its parameter groups keep the device mesh, out of the garbage collector's reach),
+    so gloo's worker threads outlive destroy_process_group(). The interpreter's teardown then races
+    them: a worker that drops the last reference to a tensor must take the GIL, which a finalizing
+    interpreter refuses by ending the thread, and the process aborts ("terminate called without an
+    active exception", about one exit in ten; pytorch#179291 describes the mechanism). What a normal
+    exit does before that teardown still happens: the atexit functions run, and the output is flushed.
+    """
+    atexit._run_exitfuncs()  # what sys.exit would run first; os._exit alone skips them
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.distributed import free_port
+from common.distributed import exit_process, free_port
 
 
 def _entry(rank, worker, world_size, port, result_path, args):
@@ -29,6 +29,7 @@ def _entry(rank, worker, world_size, port, result_path, args):
             torch.save(result, result_path)
     finally:
         dist.destroy_process_group()
+    exit_process()  # a worker that used FSDP2 leaves the process group held: see exit_process
 
 
 def run_in_process_group(worker, world_size: int, *args, timeout: float = 300):

@@ -7,12 +7,11 @@ ranks at different moments. So the handler only sets a flag; at each step bounda
 all-reduce (MAX) tells every rank whether any rank got a signal, and all stop at that same step.
 """
 import signal
-import sys
 
 import torch
 import torch.distributed as dist
 
-from common.distributed import print0
+from common.distributed import exit_process, print0
 
 
 class StopSignal:
@@ -39,4 +38,4 @@ class StopSignal:
                "the same command resumes from it", flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
-        sys.exit(128 + self.signum)
+        exit_process(128 + self.signum)  # not sys.exit: see exit_process (an FSDP2 run stops here too)

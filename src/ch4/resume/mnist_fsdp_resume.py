@@ -38,6 +38,7 @@ from common.cli import add_checkpoint_flags  # STEP
 from common.cli import mnist_parser
 from common.cli import per_process_batch
 from common.distributed import device_for, init_process_group, print0, require_launcher
+from common.distributed import exit_process
 from common.fsdp import fully_shard
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, make_loader
@@ -145,6 +146,7 @@ def main():
     print0(f"train time {train_seconds:.1f} s, {(position.step - first_step) * args.batch_size / max(train_seconds, 1e-9):.0f} samples/s")  # STEP: this run's
     print0(f"test accuracy {correct / seen:.2%} over {seen} images")
     dist.destroy_process_group()
+    exit_process()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from torch.utils.data.distributed import DistributedSampler
 from common.cli import mnist_parser
 from common.cli import per_process_batch
 from common.distributed import device_for, init_process_group, print0, require_launcher
+from common.distributed import exit_process  # STEP
 from common.fsdp import fully_shard  # STEP: torch.distributed.fsdp.fully_shard (torch.distributed._composable.fsdp before 2.6)
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, make_loader
@@ -113,6 +114,7 @@ def main():
     print0(f"train time {train_seconds:.1f} s, {args.epochs * len(train_set) / train_seconds:.0f} samples/s")
     print0(f"test accuracy {correct / seen:.2%} over {seen} images")
     dist.destroy_process_group()
+    exit_process()  # STEP: FSDP2 holds the process group past its destruction: exit before the teardown races gloo
 
 
 if __name__ == "__main__":

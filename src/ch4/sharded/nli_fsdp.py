@@ -32,6 +32,7 @@ from transformers import get_linear_schedule_with_warmup
 
 from common.cli import per_process_batch
 from common.distributed import device_for, init_process_group, print0, require_launcher
+from common.distributed import exit_process  # STEP
 from common.fsdp import fully_shard  # STEP: torch.distributed.fsdp.fully_shard (torch.distributed._composable.fsdp before 2.6)
 from common.gather import sum_across_ranks
 from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
@@ -126,6 +127,7 @@ def main(args):
            f"{steps_done * args.batch_size / train_seconds:.1f} samples/s")
     print0(f"eval accuracy {correct / seen:.2%} over {seen} pairs")
     dist.destroy_process_group()
+    exit_process()  # STEP: FSDP2 holds the process group past its destruction: exit before the teardown races gloo
 
 
 if __name__ == "__main__":
