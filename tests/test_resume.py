@@ -73,6 +73,21 @@ def bitwise_equal(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def files_in(folder) -> dict:
+    return {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
+def refused_and_untouched(folder, phrase, *run_args, **run_kwargs):
+    """Run on a copied folder of checkpoints that must be refused: a non-zero exit with the phrase on
+    stderr, no worker traceback (torchrun's own summary aside), and every file as it was."""
+    before = files_in(folder)
+    result = run(folder, *run_args, restarts=0, **run_kwargs)
+    assert result.returncode != 0 and phrase in result.stderr, result.stderr[-3000:]
+    assert "]: Traceback" not in result.stderr, result.stderr[-3000:]
+    assert files_in(folder) == before  # nothing lost
+    return result
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_mnist, tmp_path_factory):
     folder = tmp_path_factory.mktemp("uninterrupted")
@@ -137,12 +152,8 @@ def test_truncated_checkpoint_falls_back_to_the_one_before(uninterrupted, tiny_m
 ])
 def test_checkpoint_of_another_run_is_refused(uninterrupted, tiny_mnist, tmp_path, processes, flags, phrase):
     folder = shutil.copytree(uninterrupted, tmp_path / "copy")
-    before = {path.name: path.read_bytes() for path in folder.iterdir()}
-    result = run(folder, tiny_mnist, "none", processes, *flags, restarts=0)
-    assert result.returncode != 0 and phrase in result.stderr, result.stderr[-3000:]
+    result = refused_and_untouched(folder, phrase, tiny_mnist, "none", processes, *flags)
     assert "start afresh with another --checkpoint-dir" in result.stderr
-    assert "]: Traceback" not in result.stderr, result.stderr[-3000:]  # torchrun's own summary aside, no worker traceback
-    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # nothing lost
 
 
 @pytest.mark.parametrize("precision", ["fp32", "auto"])
@@ -184,12 +195,8 @@ def test_fsdp_killed_run_resumes_bitwise_from_sharded_checkpoints(fsdp_uninterru
 def test_fsdp_checkpoint_of_another_world_size_is_refused(fsdp_uninterrupted, tiny_mnist, tmp_path):
     """DCP could load the pieces into 1 process, but the data position and random states are per rank."""
     folder = shutil.copytree(fsdp_uninterrupted, tmp_path / "copy")
-    before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
-    result = run(folder, tiny_mnist, "none", 1, restarts=0, script="mnist_fsdp_resume.py")
-    assert result.returncode != 0, result.stdout
-    assert "step-00000012 was written by 3 processes and this run has 1" in result.stderr, result.stderr[-3000:]
-    assert "]: Traceback" not in result.stderr, result.stderr[-3000:]
-    assert {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()} == before  # nothing lost
+    refused_and_untouched(folder, "step-00000012 was written by 3 processes and this run has 1", tiny_mnist, "none", 1,
+                          script="mnist_fsdp_resume.py")
 
 
 def test_fsdp_checkpoint_of_another_precision_is_refused_before_its_shards_load(fsdp_uninterrupted, tiny_mnist, tmp_path):
@@ -201,12 +208,8 @@ def test_fsdp_checkpoint_of_another_precision_is_refused_before_its_shards_load(
     for meta in folder.glob("step-*/meta.pt"):
         metadata = torch.load(meta, weights_only=True)
         torch.save({**metadata, "fingerprint": {**metadata["fingerprint"], "precision": "bf16"}}, meta)
-    before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
-    result = run(folder, tiny_mnist, "none", 3, restarts=0, script="mnist_fsdp_resume.py")
-    assert result.returncode != 0, result.stdout
-    assert "step-00000012 belongs to another run (precision bf16 there, fp32 here)" in result.stderr, result.stderr[-3000:]
-    assert "]: Traceback" not in result.stderr, result.stderr[-3000:]
-    assert {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()} == before  # nothing lost
+    refused_and_untouched(folder, "step-00000012 belongs to another run (precision bf16 there, fp32 here)", tiny_mnist,
+                          "none", 3, script="mnist_fsdp_resume.py")
 
 
 def test_truncated_shard_falls_back_to_the_checkpoint_before(fsdp_uninterrupted, tmp_path, capsys):
