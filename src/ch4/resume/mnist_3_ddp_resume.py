@@ -7,6 +7,8 @@ mnist_3_ddp.py with checkpoints a restarted job resumes from, bit for bit. What 
     random-number state (common/checkpoint.py gathers them to rank 0, which writes the file
     atomically and keeps the last two);
   - at start-up the newest checkpoint that loads is restored, or training starts from the beginning;
+  - a resumed DDP rebuilds its gradient buckets before its first step, as the interrupted run had
+    them (common/ddp_buckets.py): at 3 or more processes, other buckets would round the sums otherwise;
   - the sampler's position is (epoch, batches done): a resumed epoch continues with the next unseen
     batch of the same shuffle, and the skipped batches are never loaded;
   - the loader gets its own random generator: iter(DataLoader) draws a seed from the global one, and
