@@ -12,6 +12,7 @@ import contextlib
 import faulthandler
 import hashlib
 import sys
+import tempfile
 import threading
 
 import torch
@@ -70,10 +71,13 @@ def dump_stacks_on_hang(seconds: float, file=None):
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else detect_launch().rank
 
     def dump():
-        out.write(f"[rank {rank}] still inside the block after {seconds:g} s; Python stacks of every "
-                  "thread, most recent call first:\n")
-        out.flush()
-        faulthandler.dump_traceback(file=out, all_threads=True)
+        # faulthandler writes line by line: into a file of its own first, then one write, so that the
+        # ranks dumping at the same moment into torchrun's shared stderr do not interleave their lines
+        with tempfile.TemporaryFile("w+") as stacks:
+            faulthandler.dump_traceback(file=stacks, all_threads=True)
+            stacks.seek(0)
+            out.write(f"[rank {rank}] still inside the block after {seconds:g} s; Python stacks of every "
+                      f"thread, most recent call first:\n{stacks.read()}")
         out.flush()
 
     watchdog = threading.Timer(seconds, dump)
