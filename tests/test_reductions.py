@@ -3,8 +3,8 @@
 One gloo group of 3 processes (2 would hide non-associativity), float64, runs every check and
 returns what rank 0 measured; the tests compare it with one process on the whole global batch, and
 each planted wrong way with the same reference, which it must miss.
-  - gradient clipping by the total norm: DDP, ZeRO stages 1-3 (common/zero.py), FSDP2, Accelerate;
-    the wrong way clips each rank's shards by their own norm;
+  - gradient clipping by the total norm: DDP, ZeRO stages 1-3 (common/zero.py), FSDP2, Accelerate,
+    Lightning's gradient_clip_val; the wrong way clips each rank's shards by their own norm;
   - the token-mean loss of a tiny GPT-2 (common/token_loss.py) over 4 micro-batches of padded
     sequences of different lengths per rank; the wrong ways average means;
   - BatchNorm's statistics: per rank (plain BatchNorm under DDP) against the global batch's
@@ -125,6 +125,31 @@ def clipping(rank):
     return results
 
 
+def lightning_clipped(rank):
+    """The same step as a Lightning Trainer runs it with gradient_clip_val, in this process group (Lightning
+    sees the variables torchrun would set and joins the group that exists). Returns the parameters."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = clipping_model()
+
+        def training_step(self, batch, _):
+            return F.cross_entropy(self.model(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return sgd(self.parameters())
+
+    module = Module()
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy="ddp", max_steps=1, gradient_clip_val=MAX_NORM,
+                        use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(TensorDataset(*rank_batch(rank)), batch_size=PER_RANK))
+    return [p.detach().clone() for p in module.model.parameters()]
+
+
 MICRO_BATCHES, SEQUENCES, LONGEST = 4, 2, 14  # per rank, per micro-batch
 
 
@@ -220,7 +245,8 @@ def batch_norms(rank, world_size):
 
 def every_check(rank, world_size):
     """Every multi-process check in one group: starting processes is the slow part."""
-    return {"clipping": clipping(rank), "token_loss": token_losses(rank), "batch_norm": batch_norms(rank, world_size)}
+    return {"clipping": clipping(rank), "token_loss": token_losses(rank), "batch_norm": batch_norms(rank, world_size),
+            "lightning": lightning_clipped(rank)}  # last: the Trainer takes over the process's logging and warnings
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +265,12 @@ def test_clipping_by_the_total_norm_equals_one_process(measured, wrapper):
     assert reference_norm > 2 * MAX_NORM  # the clip did scale the gradient
     assert_same(norm, reference_norm)
     for got, want in zip(params, reference_params, strict=True):
+        assert_same(got, want)
+
+
+def test_lightning_gradient_clip_val_equals_one_process(measured):
+    """gradient_clip_val clips after DDP's all-reduce, by the norm of the averaged gradient: one process's."""
+    for got, want in zip(measured["lightning"], one_process_clipped()[1], strict=True):
         assert_same(got, want)
 
 
