@@ -4,11 +4,15 @@ For each world size N it starts N gloo processes and, in them,
   - measures the two inputs the plan needs for a CPU: the FLOP/s one process reaches in a matrix product
     of the model's shape while all N run at once (they share the cores), and the loopback link's
     bandwidth and latency, fitted to the ring's cost model from all-reduces of 4 KB and 16 MB;
+  - times the same training step with no wrapper and no collective, all N at once: the compute alone.
+    The plan's MFU is calibrated on it (the step's FLOPs over that time, over the matrix product's
+    FLOP/s): on a CPU most of a small model's step is not matrix products (layer norms, softmax, GELU,
+    AdamW's update, Python), and one measured step says how much;
   - trains a small BERT in fp32 under DDP, the repo's ZeRO-1/2/3 (common/zero.py) and FSDP2, with
     benchmarks/sharded_memory.py's measure(): bytes of parameters, gradients and optimizer state on the
     busiest rank, and the median step time of the slowest rank;
-and prints each beside common.plan.plan() for the same Ψ, batch, sequence length and N, with MFU 1
-(the FLOP/s input is already what a matrix product reaches here). The repo's ZeRO calls its
+and prints each beside common.plan.plan() for the same Ψ, batch, sequence length and N, and the
+collectives each strategy issues per step (the repo's ZeRO: one per module that has parameters). The repo's ZeRO calls its
 collectives synchronously, so nothing overlaps there; DDP and FSDP2 issue theirs asynchronously and get
 the plan's overlap rule. gloo's reduce-scatter is a whole all-reduce (common/zero.py), and the plan is
 told so. It lives among the benchmarks because it starts processes and reuses sharded_memory.py;
@@ -24,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from common.machine import machine_name
-from common.plan import GPU, Link, Model, model_of_config, plan
+from common.plan import GPU, Link, Model, model_of_config, plan, step_flops
 from common.spawn import run_in_process_group
 from sharded_memory import RUNS, measure
 
@@ -38,6 +42,13 @@ def small_bert(vocab: int = 3000, hidden: int = 192, layers: int = 2):
                       intermediate_size=4 * hidden, max_position_embeddings=132, num_labels=3)
 
 
+def slowest_rank(seconds: float) -> float:
+    """The largest of the ranks' values."""
+    slowest = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
 def timed(function, repeats: int) -> float:
     """The slowest rank's median seconds for function(), all ranks released together."""
     function()
@@ -47,9 +58,7 @@ def timed(function, repeats: int) -> float:
         began = time.perf_counter()
         function()
         times.append(time.perf_counter() - began)
-    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.item()
+    return slowest_rank(statistics.median(times))
 
 
 def machine_inputs(tokens: int, hidden: int) -> tuple[float, Link]:
@@ -70,29 +79,41 @@ def worker(rank, world_size, config, batch, length, steps):
     torch.set_num_threads(1)
     measure("DDP", config, batch, length, 2)  # a run to throw away: the first pays for loading kernels and libraries
     flops, link = machine_inputs(batch * length, config.hidden_size)
+    compute_s = slowest_rank(measure("local", config, batch, length, steps)["step_s"])
     results = {run: measure(run, config, batch, length, steps) for run in RUNS}
     every_rank = [None] * world_size
     dist.all_gather_object(every_rank, results)
-    return {"flops": flops, "link": link, "ranks": every_rank}
+    return {"flops": flops, "link": link, "compute_s": compute_s, "ranks": every_rank}
 
 
-def predictions(run: str, model: Model, world_size: int, flops: float, link: Link, batch: int, length: int):
+def zero_units(config) -> int:
+    """Collectives of each kind the repo's ZeRO issues per step: one per module that has parameters."""
+    from transformers import AutoModelForSequenceClassification
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    return sum(1 for module in model.modules() if next(module.parameters(recurse=False), None) is not None)
+
+
+def predictions(run: str, model: Model, world_size: int, flops: float, mfu: float, link: Link, batch: int,
+                length: int, units: int):
     cpu = GPU("CPU", flops, flops, float("inf"))
-    return plan(RUNS[run], model, world_size, world_size, cpu, link, link, "fp32", batch, length, mfu=1.0,
-                overlap=not run.startswith("ZeRO"), gloo=True)
+    return plan(RUNS[run], model, world_size, world_size, cpu, link, link, "fp32", batch, length, mfu=mfu,
+                overlap=not run.startswith("ZeRO"), gloo=True, pieces=units if run.startswith("ZeRO") else None)
 
 
 def check(config, world_sizes, batch, length, steps) -> list[dict]:
     """One row per (world size, run): predicted and measured bytes and step time."""
     from transformers import AutoModelForSequenceClassification
     shape = model_of_config(config, AutoModelForSequenceClassification)
-    rows = []
+    rows, units = [], zero_units(config)
     for world_size in world_sizes:
         result = run_in_process_group(worker, world_size, config, batch, length, steps, timeout=600)
+        mfu = min(1.0, step_flops(shape, batch * length, length) / (result["flops"] * result["compute_s"]))
         for run in RUNS:
             ranks = [every[run] for every in result["ranks"]]
-            predicted = predictions(run, shape, world_size, result["flops"], result["link"], batch, length)
-            rows.append({"ranks": world_size, "run": run, "flops": result["flops"], "link": result["link"],
+            predicted = predictions(run, shape, world_size, result["flops"], mfu, result["link"], batch, length, units)
+            rows.append({"ranks": world_size, "run": run, "flops": result["flops"], "link": result["link"], "mfu": mfu,
+                         "collectives": predicted.collectives,
                          "measured": {part: max(rank[part] for rank in ranks) for part in PARTS}
                          | {"step_s": max(rank["step_s"] for rank in ranks)},
                          "predicted": {"params": predicted.params_bytes, "grads": predicted.grads_bytes,
@@ -104,15 +125,16 @@ def table(rows: list[dict], params: int) -> str:
     lines = [f"Ψ = {params:,} parameters, fp32 AdamW; bytes on the busiest rank, measured (predicted); "
              "step time of the slowest rank",
              "| ranks | run | parameters B | gradients B | optimizer state B | worst byte error "
-             "| GFLOP/s per process | link GB/s, µs | step ms measured | step ms predicted | step error |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| GFLOP/s per process | MFU | link GB/s, µs | collectives | step ms measured | step ms predicted "
+             "| step error |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         measured, predicted, link = row["measured"], row["predicted"], row["link"]
         cells = [f"{measured[part]:,} ({predicted[part]:,.0f})" for part in PARTS]
         worst = max(abs(measured[part] / predicted[part] - 1) for part in PARTS)
         network = "-" if row["ranks"] == 1 else f"{link.bandwidth / 1e9:.2f}, {link.latency * 1e6:.0f}"
         lines.append(f"| {row['ranks']} | {row['run']} | {' | '.join(cells)} | {worst:.2%} | {row['flops'] / 1e9:.1f} "
-                     f"| {network} | {measured['step_s'] * 1e3:.1f} | {predicted['step_s'] * 1e3:.1f} "
+                     f"| {row['mfu']:.2f} | {network} | {row['collectives']} | {measured['step_s'] * 1e3:.1f} | {predicted['step_s'] * 1e3:.1f} "
                      f"| {predicted['step_s'] / measured['step_s'] - 1:+.0%} |")
     errors = [abs(row["predicted"]["step_s"] / row["measured"]["step_s"] - 1) for row in rows]
     lines.append(f"step time: median error {statistics.median(errors):.0%}, largest {max(errors):.0%}")

@@ -67,6 +67,8 @@ def reset_peak() -> None:
 def wrap(run: str, model):
     """The model under `run`; returns (the module to call, the optimizer, the tensors that are parameters)."""
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
+    if run == "local":  # no wrapper and no collective: the step's compute alone (plan_check.py calibrates on it)
+        return model, adamw(model.parameters()), list(model.parameters())
     if run == "DDP":
         model = DDP(model)
         return model, adamw(model.parameters()), list(model.parameters())

@@ -18,7 +18,9 @@ Time per step: compute is 6 FLOPs per parameter per token (the matrices; embeddi
 the attention scores, 6·L·s·h per token (Kaplan et al. 2020, table 1, times 3 for forward and backward),
 at a stated model FLOPs utilisation (MFU) of the GPU's peak. Communication is the ring's cost model,
 common.allreduce.bytes_sent_per_rank, plus one latency per ring step: an all-reduce of S bytes sends
-2(N−1)/N·S per rank in 2(N−1) steps, a reduce-scatter or an all-gather half of that. What overlap hides
+2(N−1)/N·S per rank in 2(N−1) steps, a reduce-scatter or an all-gather half of that. The latency is paid
+once per collective, and a step issues several: DDP one per gradient bucket (torch's 1 MiB first bucket,
+then 25 MiB), ZeRO and FSDP one per sharded unit (a transformer block each, plus the root). What overlap hides
 is the Ultra-Scale Playbook's condition: a gradient reduction issued during backward is hidden as far
 as backward lasts (DDP, ZeRO-2), ZeRO-3/FSDP's prefetched gathers and reductions as far as the whole
 forward and backward last; ZeRO-1's reductions and the all-gather after the step are exposed.
@@ -32,11 +34,13 @@ predictions.
 """
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 
 from common.allreduce import bytes_sent_per_rank
 
 GB = 1e9
+MiB = 2**20
 STRATEGIES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP", "hsdp": "HSDP"}
 SHARDED_TERMS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}  # optimizer, + grads, + params
 BYTES_PER_PARAM = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # parameters, gradients, optimizer state (K)
@@ -114,13 +118,22 @@ def step_flops(model: Model, tokens: int, seq: int) -> float:
     return tokens * (6 * (model.params - model.embedding_params) + attention)
 
 
-def ring_seconds(kind: str, size_bytes: float, ranks: int, link: Link) -> float:
-    """One ring collective: all_reduce, or reduce_scatter / all_gather (half an all-reduce)."""
+def ring_seconds(kind: str, size_bytes: float, ranks: int, link: Link, pieces: int = 1) -> float:
+    """size_bytes moved by `pieces` ring collectives: all_reduce, or reduce_scatter / all_gather (half an
+    all-reduce). The bytes cost the same however they are cut; each piece pays the ring's latency."""
     if ranks == 1 or size_bytes == 0:
         return 0.0
     fraction = 1 if kind == "all_reduce" else 0.5
     steps = 2 * (ranks - 1) * fraction
-    return steps * link.latency + fraction * bytes_sent_per_rank("ring", size_bytes, ranks) / link.bandwidth
+    return pieces * steps * link.latency + fraction * bytes_sent_per_rank("ring", size_bytes, ranks) / link.bandwidth
+
+
+def collectives_per_step(strategy: str, model: "Model", grad_bytes: float) -> int:
+    """How many pieces each kind of collective is cut into in one step: DDP's buckets at torch's default
+    caps (a 1 MiB first bucket, then 25 MiB); ZeRO and FSDP one per unit, a layer each plus the root."""
+    if strategy == "ddp":
+        return 1 + math.ceil(max(0.0, grad_bytes - MiB) / (25 * MiB))
+    return model.layers + 1 if model.layers else 1
 
 
 @dataclass
@@ -141,10 +154,12 @@ class Plan:
     samples_per_s: float
     scaling_efficiency: float
     communication: str
+    collectives: int
 
 
 def communication(strategy: str, params: int, gpus: int, per_node: int, precision: str, intra: Link, inter: Link,
-                  compression: str = "none", model: Model | None = None, gloo: bool = False) -> tuple[float, float, str]:
+                  compression: str = "none", model: Model | None = None, gloo: bool = False,
+                  pieces: int = 1) -> tuple[float, float, str]:
     """Seconds of communication per step: (reduced during backward, the rest), and what moves.
 
     gloo=True: gloo computes reduce_scatter_tensor as a whole all-reduce (common/zero.py's docstring)."""
@@ -160,33 +175,40 @@ def communication(strategy: str, params: int, gpus: int, per_node: int, precisio
             grads = min(grads, 2 * params)
         elif compression.startswith("powersgd"):  # its own compute, and its effect on accuracy, are left out
             grads = grad_bytes * model.powersgd_numel[int(compression.removeprefix("powersgd"))]
-        return ring_seconds("all_reduce", grads, gpus, link), 0.0, f"all-reduce {grads / GB:.3g} GB of gradients"
+            pieces *= 2  # two all-reduces per bucket: P, then Q
+        return (ring_seconds("all_reduce", grads, gpus, link, pieces), 0.0,
+                f"all-reduce {grads / GB:.3g} GB of gradients")
     if strategy in ("zero1", "zero2"):
-        reduce = ring_seconds(reduce_scatter, grads, gpus, link)
-        gather = ring_seconds("all_gather", weights, gpus, link)
+        reduce = ring_seconds(reduce_scatter, grads, gpus, link, pieces)
+        gather = ring_seconds("all_gather", weights, gpus, link, pieces)
         return reduce, gather, "reduce-scatter the gradients, all-gather the parameters after the step"
     if strategy in ("zero3", "fsdp"):
-        return (ring_seconds(reduce_scatter, grads, gpus, link), 2 * ring_seconds("all_gather", weights, gpus, link),
+        return (ring_seconds(reduce_scatter, grads, gpus, link, pieces),
+                2 * ring_seconds("all_gather", weights, gpus, link, pieces),
                 "all-gather the parameters in forward and in backward, reduce-scatter the gradients")
-    within = ring_seconds(reduce_scatter, grads, per_node, intra) + 2 * ring_seconds("all_gather", weights, per_node, intra)
+    within = (ring_seconds(reduce_scatter, grads, per_node, intra, pieces)
+              + 2 * ring_seconds("all_gather", weights, per_node, intra, pieces))
     # each GPU all-reduces its gradient shard with its peers in the other nodes; the node's GPUs share its NICs
-    across = ring_seconds("all_reduce", grads / per_node, nodes, Link(inter.name, node_bandwidth / per_node, inter.latency))
+    across = ring_seconds("all_reduce", grads / per_node, nodes,
+                          Link(inter.name, node_bandwidth / per_node, inter.latency), pieces)
     return across, within, "FSDP within each node; all-reduce each GPU's gradient shard across nodes"
 
 
 def plan(strategy: str, model: Model, gpus: int, per_node: int, gpu: GPU, intra: Link, inter: Link,
          precision: str = "mixed", batch: int = 8, seq: int = 512, mfu: float = 0.4, compression: str = "none",
-         overlap: bool = True, gloo: bool = False, recompute: bool = False) -> Plan:
+         overlap: bool = True, gloo: bool = False, recompute: bool = False, pieces: int | None = None) -> Plan:
     """The prediction for one strategy; batch is per GPU. recompute: activation checkpointing, which
-    keeps each layer's input only and runs the forward twice (8 FLOPs per parameter per token, not 6)."""
+    keeps each layer's input only and runs the forward twice (8 FLOPs per parameter per token, not 6).
+    pieces: collectives of each kind per step, where they are known (else collectives_per_step's)."""
     shards = per_node if strategy == "hsdp" else gpus
     parts = memory_bytes(strategy, model.params, shards, precision)
     activations = activation_bytes(model, batch, seq, precision, recompute)
     total = sum(parts) + (activations or 0)
     peak = gpu.flops_fp32 if precision == "fp32" else gpu.flops_16bit
     compute = step_flops(model, batch * seq, seq) * (4 / 3 if recompute else 1) / (peak * mfu)
+    pieces = pieces or collectives_per_step(strategy, model, BYTES_PER_PARAM[precision][1] * model.params)
     during_backward, rest, what = communication(strategy, model.params, gpus, per_node, precision, intra, inter,
-                                                compression, model, gloo)
+                                                compression, model, gloo, pieces)
     if not overlap or strategy == "zero1":
         hidden = 0.0
     elif strategy in ("zero3", "fsdp", "hsdp"):
@@ -196,7 +218,8 @@ def plan(strategy: str, model: Model, gpus: int, per_node: int, gpu: GPU, intra:
     exposed = during_backward + rest - hidden
     step = compute + exposed
     return Plan(STRATEGIES[strategy], *parts, activations, total, total <= gpu.memory_bytes,
-                compute, during_backward + rest, hidden, exposed, step, batch * gpus / step, compute / step, what)
+                compute, during_backward + rest, hidden, exposed, step, batch * gpus / step, compute / step, what,
+                pieces)
 
 
 def count_parameters(name: str) -> Model:

@@ -1,6 +1,9 @@
 """python -m common.plan: the published memory figures exactly, a model counted from its config, bad input,
 and benchmarks/plan_check.py's measured bytes per rank within 1 % of the plan's at toy size."""
 import json
+import math
+import re
+import shlex
 import sys
 
 import pytest
@@ -33,6 +36,11 @@ def test_playbook_memory_table(capsys, params, gb):
     assert plan_lines(capsys, "--params", params, "--gpus", "1", "--strategy", "ddp") == {"DDP": gb}
 
 
+def fp32_buckets(params: float) -> int:
+    """DDP's buckets for params fp32 gradients: the first holds 1 MiB, each other 25 MiB."""
+    return 1 + math.ceil((4 * params - 2**20) / (25 * 2**20))
+
+
 def test_hsdp_shards_within_a_node_and_compression_shrinks_ddp_traffic():
     """HSDP holds FSDP's memory at the node's GPU count; over a slow network it communicates less than FSDP
     over all 64 GPUs (its parameter gathers stay in the node); fp16 compression halves fp32 DDP's all-reduce."""
@@ -41,21 +49,26 @@ def test_hsdp_shards_within_a_node_and_compression_shrinks_ddp_traffic():
     assert hsdp.total_bytes == fsdp8.total_bytes == 16 * 7e9 / 8
     fsdp64 = plan("fsdp", model, 64, 8, *args)
     assert fsdp64.total_bytes < hsdp.total_bytes and hsdp.communication_s < 0.75 * fsdp64.communication_s
-    fp32 = plan("ddp", model, 64, 8, *args, precision="fp32")
-    fp16 = plan("ddp", model, 64, 8, *args, precision="fp32", compression="fp16")
+    fp32 = plan("ddp", model, 64, 8, *args, precision="fp32", pieces=1)  # one bucket: the bytes' time alone
+    fp16 = plan("ddp", model, 64, 8, *args, precision="fp32", compression="fp16", pieces=1)
     assert fp16.communication_s == pytest.approx(fp32.communication_s / 2, rel=1e-3)
+    buckets = plan("ddp", model, 64, 8, *args, precision="fp32", compression="fp16")  # the hook compresses each bucket:
+    assert buckets.collectives == fp32_buckets(7e9)  # as many latencies as without it
+    assert buckets.communication_s == pytest.approx(fp16.communication_s + (buckets.collectives - 1) * 126 * 20e-6)
     assert memory_bytes("zero2", 1000, 4, "fp32") == (4000, 1000, 2000)
 
 
 def test_by_hand_presets(capsys):
     """Peak FLOP/s, memory and the network by hand: a 10 GbE cluster makes DDP's all-reduce of 2 GB
-    (1 B parameters, bf16 gradients) take 2·(N−1)/N · 2 GB / 1.25 GB/s, plus one latency per ring step."""
+    (1 B parameters, bf16 gradients) take 2·(N−1)/N · 2 GB / 1.25 GB/s, plus one latency per ring step
+    in each of DDP's buckets (1 MiB, then 25 MiB each: 78)."""
     main(["--params", "1e9", "--gpus", "16", "--strategy", "ddp", "--peak-tflops", "100", "--memory-gb", "24",
           "--bandwidth-gbps", "10", "--latency-us", "50", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["gpu"]["flops_16bit"] == 100e12 and out["gpu"]["memory_bytes"] == 24e9
     ddp = out["plans"][0]
-    assert ddp["communication_s"] == pytest.approx(2 * 15 / 16 * 2e9 / 1.25e9 + 2 * 15 * 50e-6)
+    assert ddp["collectives"] == fp32_buckets(0.5e9) == 78
+    assert ddp["communication_s"] == pytest.approx(2 * 15 / 16 * 2e9 / 1.25e9 + 78 * 2 * 15 * 50e-6)
     assert ddp["fits"] is True  # 16 GB of state, no activations counted without the shape
 
 
@@ -110,3 +123,17 @@ def test_plan_check_bytes_within_one_percent(tiny_bert):
     assert abs(zero1 / memory_bytes("ddp", psi, 2, "fp32")[2] - 1) > 0.4
     table = plan_check.table(rows, psi)
     assert "| 2 | ZeRO-3 |" in table and "step time: median error" in table
+
+
+def test_every_output_in_the_docs_page_is_the_calculators(capsys, tmp_path, monkeypatch):
+    """docs/plan.md shows each command with its output: rerun, the calculator prints exactly that (the page's
+    bert-base is transformers' default BertConfig, saved as the page says)."""
+    from transformers import BertConfig
+    BertConfig().save_pretrained(tmp_path / "bert-base")
+    monkeypatch.chdir(tmp_path)
+    shown = re.findall(r"```text\n\$ python -m common\.plan ([^\n]*)\n(.*?)```", (ROOT / "docs" / "plan.md").read_text(),
+                       re.DOTALL)
+    assert len(shown) >= 6
+    for command, output in shown:
+        main(shlex.split(command))
+        assert capsys.readouterr().out == output, f"docs/plan.md: the output of {command!r} changed"
