@@ -21,7 +21,6 @@ The formula, per training step, for L wrapped layers on an R x S mesh (S > 1 and
 """
 import copy
 import importlib.util
-import os
 import subprocess
 import sys
 from collections import Counter

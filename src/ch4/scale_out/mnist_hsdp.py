@@ -24,11 +24,12 @@ no all-gather, an all-reduce per layer). What changes from mnist_fsdp.py:
 Accelerate calls it HSDP: FSDP2 with ParallelismConfig(dp_replicate_size=R, dp_shard_size=S)
 (accelerate launch --parallelism_config_dp_replicate_size R --parallelism_config_dp_shard_size S), or
 its FSDP1 plugin's sharding strategy HYBRID_SHARD. Lightning: FSDPStrategy(sharding_strategy="HYBRID_SHARD",
-device_mesh=(R, S)) (FSDP1); with FSDP2, ModelParallelStrategy, whose configure_model calls fully_shard itself.
+device_mesh=(R, S)) (FSDP1); for FSDP2, ModelParallelStrategy, where the LightningModule's configure_model
+calls fully_shard on the strategy's device mesh.
 
 Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
     torchrun --nproc_per_node=4 src/ch4/scale_out/mnist_hsdp.py --replicas 2     # one machine: 2 x 2 (4 GPUs, or 4 CPU processes)
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 --rdzv_id=hsdp \
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 --rdzv_id=hsdp \\
         src/ch4/scale_out/mnist_hsdp.py                                           # on each of 2 nodes: mesh 2 x 8
 HOST is the first node's address (any node both can reach); every node runs the same command. On a CPU
 torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores.
