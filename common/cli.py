@@ -68,3 +68,13 @@ def per_process_batch(global_batch: int, world_size: int, flag: str = "--batch-s
         sys.exit(f"error: {flag} {global_batch} is the global batch and must divide evenly over "
                  f"{world_size} processes; pick a multiple of {world_size}.")
     return global_batch // world_size
+
+
+def mesh_shape(replicas: int | None, world_size: int, local_world_size: int) -> tuple[int, int]:
+    """(replicas, shards) of a 2-D device mesh over world_size processes; by default one replica per node
+    (torchrun starts local_world_size processes on each), so that each node shards the model over its own GPUs."""
+    replicas = replicas or max(world_size // local_world_size, 1)
+    if world_size % replicas:
+        sys.exit(f"error: --replicas {replicas} must divide the {world_size} processes into equal shard groups; "
+                 f"pick a divisor of {world_size} (by default one replica per node).")
+    return replicas, world_size // replicas

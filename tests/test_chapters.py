@@ -18,6 +18,7 @@ STEPS = [*zip(MNIST_LADDER, MNIST_LADDER[1:]),  # each script is one step from t
          ("ddp.py", "nli_accelerate.py"), ("nli_dp_minimal.py", "nli_ddp_minimal.py"),
          ("mnist_3_ddp.py", "sharded/mnist_fsdp.py"), ("ddp.py", "sharded/nli_fsdp.py"),
          ("sharded/mnist_fsdp.py", "resume/mnist_fsdp_resume.py"),  # the FSDP script, restartable: sharded checkpoints
+         ("sharded/mnist_fsdp.py", "scale_out/mnist_hsdp.py"),  # the FSDP script on a 2-D mesh: HSDP
          ("mnist_3_ddp.py", "mnist_5_lightning.py")]  # Lightning, like Accelerate, takes over step 3's plumbing
 BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py"]
 # Not rungs: each program of the debugging gallery holds one bug and, behind --fixed, its fix
@@ -152,7 +153,7 @@ def test_the_readme_is_a_map():
 
 # ---- the change shown inline on each chapter page is the script's own text ----
 
-CHAPTER_PAGES = ["mnist.md", "bert.md", "inside_ddp.md", "resume.md", "sharded.md", "lightning.md"]
+CHAPTER_PAGES = ["mnist.md", "bert.md", "inside_ddp.md", "resume.md", "sharded.md", "lightning.md", "scale_out.md"]
 EXCERPT = re.compile(r"^```python from=(\S+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 GAP = "..."  # a line of its own in an excerpt: lines of the script left out here
 

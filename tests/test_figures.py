@@ -24,6 +24,7 @@ import allreduce_speed  # noqa: E402
 import bucket_assignment  # noqa: E402
 import ddp_step_lanes  # noqa: E402
 import dp_vs_ddp  # noqa: E402
+import hsdp_mesh  # noqa: E402
 import overlap_timeline  # noqa: E402
 import resume_sequence  # noqa: E402
 import ring_allreduce  # noqa: E402
@@ -228,7 +229,8 @@ def test_bus_bandwidth_at_toy_size(four, tmp_path):
 def test_every_figure_is_committed():
     for name in ("ring_allreduce.svg", "ring_allreduce.gif", "allreduce_algorithms.svg", "overlap_timeline.png",
                  "bucket_assignment.svg", "accumulation_syncs.svg", "step_time_breakdown.png", "allreduce_busbw.png",
-                 "dp_vs_ddp.svg", "zero_stages.svg", "zero_stages.png", "ddp_step_lanes.svg", "resume_sequence.svg"):
+                 "dp_vs_ddp.svg", "zero_stages.svg", "zero_stages.png", "ddp_step_lanes.svg", "resume_sequence.svg",
+                 "hsdp_mesh.svg"):
         assert (ROOT / "images" / name).stat().st_size > 0, name
 
 
@@ -238,7 +240,8 @@ def test_zero_stages_figure_is_byte_stable(tmp_path):
     assert (tmp_path / "zero_stages.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("figure, name", [(ddp_step_lanes, "ddp_step_lanes.svg"), (resume_sequence, "resume_sequence.svg")])
+@pytest.mark.parametrize("figure, name", [(ddp_step_lanes, "ddp_step_lanes.svg"), (resume_sequence, "resume_sequence.svg"),
+                                          (hsdp_mesh, "hsdp_mesh.svg")])
 def test_drawn_schematics_are_byte_stable(figure, name, tmp_path):
     figure.draw(tmp_path / name)
     assert_same_bytes(tmp_path / name, ROOT / "images" / name)
