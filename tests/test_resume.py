@@ -96,9 +96,9 @@ def uninterrupted(tiny_mnist, tmp_path_factory):
 
 
 @pytest.mark.parametrize("what, resumed_at", [
-    ("kill-rank1-after-step10", "step-00000008.pt: epoch 1, 2 batches into it, step 8"),  # mid-epoch, no warning
-    ("kill-rank0-in-save2", "step-00000004.pt: epoch 0, 4 batches into it, step 4"),  # the step-8 file never lands
-    ("term-rank0-after-step6", "step-00000006.pt: epoch 1, 0 batches into it, step 6"),  # rank 1 got no signal
+    ("kill-rank1-after-step10", "step-00000008.pt: epoch 1, 66 samples into it, step 8"),  # mid-epoch, no warning
+    ("kill-rank0-in-save2", "step-00000004.pt: epoch 0, 132 samples into it, step 4"),  # the step-8 file never lands
+    ("term-rank0-after-step6", "step-00000006.pt: epoch 1, 0 samples into it, step 6"),  # rank 1 got no signal
 ])
 def test_killed_run_resumes_bitwise(uninterrupted, tiny_mnist, tmp_path, what, resumed_at):
     result = run(tmp_path, tiny_mnist, what)
@@ -145,9 +145,8 @@ def test_truncated_checkpoint_falls_back_to_the_one_before(uninterrupted, tiny_m
 
 
 @pytest.mark.parametrize("processes, flags, phrase", [
-    (1, [], "was written by 3 processes and this run has 1; each rank's data position and random state"),
     (3, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),
-    (1, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),  # the run first, then the processes
+    (1, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),  # at another world size too
     (3, ["--precision", "bf16"], "belongs to another run (precision fp32 there, bf16 here)"),
 ])
 def test_checkpoint_of_another_run_is_refused(uninterrupted, tiny_mnist, tmp_path, processes, flags, phrase):
@@ -165,7 +164,7 @@ def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path, precisi
     uninterrupted, killed = tmp_path / "uninterrupted", tmp_path / "killed"
     assert_ran(run(uninterrupted, data, "none", 3, *precision, script="ddp_resume.py"), "over 13 pairs")
     result = run(killed, data, "kill-rank1-after-step14", 3, *precision, script="ddp_resume.py")
-    assert_ran(result, f"resumed from {killed}/step-00000012.pt: epoch 1, 2 batches into it, step 12", "over 13 pairs")
+    assert_ran(result, f"resumed from {killed}/step-00000012.pt: epoch 1, 24 samples into it, step 12", "over 13 pairs")
     assert bitwise_equal(final_state(killed), final_state(uninterrupted))
     schedule = torch.load(killed / "step-00000020.pt", weights_only=True)["scheduler"]
     assert schedule["last_epoch"] == 20 and schedule["_last_lr"] == [0.0]  # the decay went on from step 12, to its end
@@ -184,7 +183,7 @@ def fsdp_uninterrupted(tiny_mnist, tmp_path_factory):
 
 def test_fsdp_killed_run_resumes_bitwise_from_sharded_checkpoints(fsdp_uninterrupted, tiny_mnist, tmp_path):
     result = run(tmp_path, tiny_mnist, "kill-rank1-after-step10", script="mnist_fsdp_resume.py")
-    assert_ran(result, f"resumed from {tmp_path}/step-00000008: epoch 1, 2 batches into it, step 8", "over 101 images")
+    assert_ran(result, f"resumed from {tmp_path}/step-00000008: epoch 1, 66 samples into it, step 8", "over 101 images")
     assert sorted(path.name for path in tmp_path.glob("step-*")) == ["step-00000008", "step-00000012"]
     for folder in tmp_path.glob("step-*"):  # one file of pieces per rank, the index, and rank 0's metadata
         assert sorted(path.name for path in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
@@ -192,11 +191,16 @@ def test_fsdp_killed_run_resumes_bitwise_from_sharded_checkpoints(fsdp_uninterru
     assert bitwise_equal(sharded_final_state(tmp_path), sharded_final_state(fsdp_uninterrupted))
 
 
-def test_fsdp_checkpoint_of_another_world_size_is_refused(fsdp_uninterrupted, tiny_mnist, tmp_path):
-    """DCP could load the pieces into 1 process, but the data position and random states are per rank."""
-    folder = shutil.copytree(fsdp_uninterrupted, tmp_path / "copy")
-    refused_and_untouched(folder, "step-00000012 was written by 3 processes and this run has 1", tiny_mnist, "none", 1,
-                          script="mnist_fsdp_resume.py")
+@pytest.mark.parametrize("script", ["mnist_3_ddp_resume.py", "mnist_fsdp_resume.py"])
+def test_a_world_size_the_global_batch_does_not_divide_over_is_refused(uninterrupted, fsdp_uninterrupted, tiny_mnist,
+                                                                        tmp_path, script):
+    """A checkpoint of global batch 33 resumed at 2 processes: another world size resumes (tests/test_reshard.py),
+    but only with the same global batch, and 33 does not split over 2."""
+    written = uninterrupted if script.startswith("mnist_3") else fsdp_uninterrupted
+    folder = shutil.copytree(written, tmp_path / "copy")
+    result = refused_and_untouched(folder, "--batch-size 33 is the global batch and must divide evenly over 2 processes",
+                                   tiny_mnist, "none", 2, "--batch-size", "33", script=script)
+    assert "a number of processes that divides 33" in result.stderr
 
 
 def test_fsdp_checkpoint_of_another_precision_is_refused_before_its_shards_load(fsdp_uninterrupted, tiny_mnist, tmp_path):
