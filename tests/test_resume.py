@@ -73,6 +73,17 @@ def bitwise_equal(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def same_state(a, b) -> bool:
+    """Every tensor bitwise equal and every other value equal, in nested dicts and lists."""
+    def without_tensors(tree):
+        if isinstance(tree, dict):
+            return {key: without_tensors(value) for key, value in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return [without_tensors(item) for item in tree]
+        return None if isinstance(tree, torch.Tensor) else tree
+    return bitwise_equal(tensors_in(a), tensors_in(b)) and without_tensors(a) == without_tensors(b)
+
+
 def files_in(folder) -> dict:
     return {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
@@ -159,7 +170,8 @@ def test_checkpoint_of_another_run_is_refused(uninterrupted, tiny_mnist, tmp_pat
 def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path, precision):
     """The tiny BERT: dropout in every layer and a linear schedule; 2 epochs of 10 steps, killed after 14.
     In the default precision too (bf16 where the CPU has it): autocast's casts are nodes of the graph
-    whose gradient order DDP records, so the resumed buckets are rebuilt under the same autocast."""
+    whose gradient order DDP records, so the resumed buckets are rebuilt under the same autocast. The fp32
+    run's checkpoint is also refused in bf16, and resumed at 1 process (resaved_at_1)."""
     data, precision = (tiny_bert, nli_pairs), ["--precision", precision]
     uninterrupted, killed = tmp_path / "uninterrupted", tmp_path / "killed"
     assert_ran(run(uninterrupted, data, "none", 3, *precision, script="ddp_resume.py"), "over 13 pairs")
@@ -171,6 +183,21 @@ def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path, precisi
     if precision == ["--precision", "fp32"]:
         refused = run(uninterrupted, data, "none", 3, "--precision", "bf16", restarts=0, script="ddp_resume.py")
         assert refused.returncode != 0 and "(precision fp32 there, bf16 here)" in refused.stderr, refused.stderr[-3000:]
+        resaved_at_1(uninterrupted / "step-00000020.pt", tmp_path / "at-1", data)
+
+
+def resaved_at_1(checkpoint, folder, data):
+    """A finished 3-process BERT checkpoint resumed at 1 process (the global batch of 12 divides): nothing
+    left to train, so the run saves what it loaded, and the weights, AdamW, the schedule (its step and
+    learning rate) and the loss scaler are the checkpoint's, tensor for tensor."""
+    folder.mkdir()
+    shutil.copy(checkpoint, folder)
+    assert_ran(run(folder, data, "none", 1, "--precision", "fp32", restarts=0, script="ddp_resume.py"),
+               "written by 3 processes, continued by 1")
+    written_by_3, written_by_1 = torch.load(checkpoint, weights_only=True), torch.load(folder / checkpoint.name, weights_only=True)
+    assert (written_by_3["world_size"], written_by_1["world_size"]) == (3, 1)
+    assert same_state(*({key: value for key, value in written.items() if key not in ("world_size", "rng")}
+                        for written in (written_by_3, written_by_1)))
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +228,19 @@ def test_a_world_size_the_global_batch_does_not_divide_over_is_refused(uninterru
     result = refused_and_untouched(folder, "--batch-size 33 is the global batch and must divide evenly over 2 processes",
                                    tiny_mnist, "none", 2, "--batch-size", "33", script=script)
     assert "a number of processes that divides 33" in result.stderr
+
+
+def test_fsdp_sharded_checkpoint_reshards_from_3_processes_to_1(fsdp_uninterrupted, tiny_mnist, tmp_path):
+    """The finished 3-process run's last sharded checkpoint, resumed at 1 process (the global batch of 33
+    divides over 1): dcp.load reads the pieces of all 3 files into the one rank, nothing is left to train,
+    and the run saves what it loaded, in one piece now: the full model and AdamW state (both moments and
+    the step of every parameter) are equal, tensor for tensor."""
+    folder = tmp_path / "at-1"
+    shutil.copytree(fsdp_uninterrupted / "step-00000012", folder / "step-00000012")
+    assert_ran(run(folder, tiny_mnist, "none", 1, restarts=0, script="mnist_fsdp_resume.py"),
+               f"resumed from {folder}/step-00000012: epoch 2, 0 samples into it, step 12", "continued by 1")
+    assert sorted(path.name for path in (folder / "step-00000012").glob("*.distcp")) == ["__0_0.distcp"]
+    assert bitwise_equal(sharded_final_state(folder), sharded_final_state(fsdp_uninterrupted))
 
 
 def test_fsdp_checkpoint_of_another_precision_is_refused_before_its_shards_load(fsdp_uninterrupted, tiny_mnist, tmp_path):
