@@ -4,14 +4,17 @@ The chapter script says what a checkpoint holds (weights, optimizer, scheduler, 
 run was). This module does what is easy to get wrong:
   - each rank's own random-number generators (torch CPU, CUDA, Python `random`) are gathered to rank 0
     and given back to the same rank: the ranks draw different dropout masks, so restoring rank 0's
-    state everywhere would change the run;
+    state everywhere would change the run. A run resumed at another world size cannot have them back
+    (no rank of it trains on what the same rank did before): every rank is reseeded from the seed,
+    its rank and the step instead, so that the same resume is the same run each time;
   - rank 0 writes a temporary file, flushes and fsyncs it, renames it into place and fsyncs the folder,
     so a checkpoint file is either complete or absent; the last KEEP are kept, and only after the new
     one is safely on disk is the oldest deleted;
   - loading takes the newest checkpoint that torch.load(weights_only=True) accepts and says which,
     skipping (with a warning) a corrupt file or a temporary one left by a kill during a save;
-  - a checkpoint written by another world size, or for another global batch, dataset, seed or precision,
-    stops the run with one sentence instead of resuming into a different run.
+  - a checkpoint for another global batch, dataset, seed or precision stops the run with one sentence
+    instead of resuming into a different run. Another world size is not refused: the position is a
+    global sample cursor (common/samplers.py), the same at any world size that divides the global batch.
 The folder must be one that every node sees (a shared filesystem): rank 0 picks the file, all ranks read it.
 """
 import os
@@ -32,17 +35,19 @@ NAME = re.compile(r"step-(\d+)\.pt")
 
 @dataclass
 class Position:
-    """Where training is: the epoch, batches done within it, and optimizer steps since the start."""
+    """Where training is: the epoch, the samples of it that all ranks together have trained on (a
+    global cursor: it means the same at any world size), and optimizer steps since the start."""
     epoch: int = 0
-    batches_done: int = 0
+    samples_done: int = 0
     step: int = 0
 
-    def advance(self, batches_per_epoch: int) -> None:
-        """One optimizer step further; after an epoch's last batch, the position is the next epoch's start."""
+    def advance(self, global_batch: int, epoch_samples: int) -> None:
+        """One optimizer step of all ranks further; after an epoch's last (maybe short) batch, the
+        position is the next epoch's start."""
         self.step += 1
-        self.batches_done += 1
-        if self.batches_done == batches_per_epoch:
-            self.epoch, self.batches_done = self.epoch + 1, 0
+        self.samples_done += global_batch
+        if self.samples_done >= epoch_samples:
+            self.epoch, self.samples_done = self.epoch + 1, 0
 
 
 def rng_state(device: torch.device) -> dict:
@@ -57,6 +62,15 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def reseed(seed: int, rank: int, step: int) -> None:
+    """A fresh random state for a rank of a run resumed at another world size: one number drawn from
+    (seed, rank, step), so that ranks differ, a later change of size differs from this one, and the
+    same resume is the same run each time."""
+    value = random.Random(f"{seed} {rank} {step}").getrandbits(63)
+    torch.manual_seed(value)  # the CPU's generator and every GPU's
+    random.seed(value)
 
 
 def _gather_to_rank0(obj) -> list | None:
@@ -185,12 +199,20 @@ class Checkpoints:
         return state, path
 
     def _resumed(self, state: dict, path: Path) -> None:
-        """Give this rank its own random state back, and say where the run continues."""
-        set_rng_state(state["rng"][rank()], self.device)
+        """Give this rank its own random state back, or a new one at another world size, and say where
+        the run continues."""
         position = Position(**state["position"])
+        if state["world_size"] == self.world_size:
+            set_rng_state(state["rng"][rank()], self.device)
+        else:
+            reseed(self.fingerprint.get("seed", 0), rank(), position.step)
         if rank() == 0:
-            print(f"resumed from {path}: epoch {position.epoch}, {position.batches_done} batches into it, "
+            print(f"resumed from {path}: epoch {position.epoch}, {position.samples_done} samples into it, "
                   f"step {position.step}", flush=True)
+            if state["world_size"] != self.world_size:
+                print(f"written by {state['world_size']} processes, continued by {self.world_size}: the same "
+                      f"global batch and data order; each rank's random state reseeded from seed, rank and step",
+                      flush=True)
 
     def _newest_that_loads(self) -> tuple[dict | None, str | None]:
         for leftover in self.folder.glob("*.tmp"):
@@ -203,14 +225,10 @@ class Checkpoints:
         return None, None
 
     def _check(self, state: dict, path: Path) -> None:
-        """Another run's checkpoint first (the folder may hold one), then another world size."""
+        """Another run's checkpoint (the folder may hold one) is refused; another world size is not."""
         different = {key: (state["fingerprint"].get(key), value) for key, value in self.fingerprint.items()
                      if state["fingerprint"].get(key) != value}
         if different:
             listed = ", ".join(f"{key} {saved} there, {now} here" for key, (saved, now) in different.items())
             sys.exit(f"error: {path} belongs to another run ({listed}); resume with the same settings, "
                      f"or start afresh with another --checkpoint-dir.")
-        if state["world_size"] != self.world_size:
-            sys.exit(f"error: {path} was written by {state['world_size']} processes and this run has "
-                     f"{self.world_size}; each rank's data position and random state belong to its rank, so "
-                     f"resume with {state['world_size']} processes, or start afresh with another --checkpoint-dir.")

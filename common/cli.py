@@ -66,7 +66,8 @@ def per_process_batch(global_batch: int, world_size: int, flag: str = "--batch-s
     """The batch each process loads, so that world_size of them add up to the global batch exactly."""
     if global_batch % world_size:
         sys.exit(f"error: {flag} {global_batch} is the global batch and must divide evenly over "
-                 f"{world_size} processes; pick a multiple of {world_size}.")
+                 f"{world_size} processes; pick a multiple of {world_size}, or (to resume a checkpoint, which "
+                 f"keeps its global batch) a number of processes that divides {global_batch}.")
     return global_batch // world_size
 
 

@@ -9,7 +9,6 @@ Use it for evaluation only. Ranks then hold different numbers of samples, hence 
 training DDP's all-reduce in backward would wait forever for the rank that ran out of batches first.
 """
 import itertools
-import math
 
 import torch
 import torch.distributed as dist
@@ -47,29 +46,39 @@ class DistributedEvalSampler(Sampler[int]):
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler whose position is (epoch, batches done), so a resumed epoch continues exactly.
+    """DistributedSampler whose position is a global sample cursor, so that an epoch continues exactly,
+    at the world size that stopped it or at another.
 
-    A run that stops after b batches of epoch e resumes with set_epoch(e, batches_done=b): the same
-    shuffle as before (it depends on seed and epoch only), minus this rank's first b batches, which are
-    skipped as indices and so never loaded. Starting the epoch over instead would train twice on those
-    batches and change the weights. The next set_epoch(e + 1) starts the following epoch at its first batch.
+    DistributedSampler shuffles the whole dataset with seed + epoch alone, on every rank and at every
+    world size, and deals the shuffle out in turn: rank r of N takes positions r, r + N, r + 2N, ...
+    With a per-rank batch of B / N, the k-th batches of all ranks together are therefore positions
+    [kB, (k + 1)B) of the one shuffle: the global order is the shuffle cut into global batches, and
+    the world size only decides which rank trains on which sample of a global batch (and how the
+    epoch's last global batch is padded to a multiple of N, with the shuffle's first samples).
+    A run that stopped after c samples of epoch e (all ranks together, c a multiple of the global
+    batch) resumes with set_epoch(e, samples_done=c): each of the M ranks skips its first c / M
+    indices, so the ranks go on at position c of the same shuffle, and every sample of the epoch is
+    trained on once, before the stop or after it. Counted per rank instead (this rank's c / N samples),
+    the same cursor would skip c·M/N at M ranks: samples lost when M > N, trained twice when M < N.
     """
 
     def __init__(self, dataset, batch_size: int, **kwargs):
         super().__init__(dataset, **kwargs)
-        self.batch_size, self.batches_done = batch_size, 0
-
-    def set_epoch(self, epoch: int, batches_done: int = 0) -> None:
-        super().set_epoch(epoch)
-        self.batches_done = batches_done
+        self.batch_size, self.samples_done = batch_size, 0
 
     @property
-    def batches_per_epoch(self) -> int:
-        """Batches in a whole epoch on this rank, the skipped ones included."""
-        return math.ceil(self.num_samples / self.batch_size)
+    def global_batch(self) -> int:
+        """Samples that one step of all ranks together trains on."""
+        return self.batch_size * self.num_replicas
+
+    def set_epoch(self, epoch: int, samples_done: int = 0) -> None:
+        if samples_done % self.num_replicas:
+            raise ValueError(f"{samples_done} samples done do not split evenly over {self.num_replicas} ranks")
+        super().set_epoch(epoch)
+        self.samples_done = samples_done
 
     def __iter__(self):
-        return itertools.islice(super().__iter__(), self.batches_done * self.batch_size, None)
+        return itertools.islice(super().__iter__(), self.samples_done // self.num_replicas, None)
 
     def __len__(self) -> int:
-        return max(super().__len__() - self.batches_done * self.batch_size, 0)
+        return max(super().__len__() - self.samples_done // self.num_replicas, 0)

@@ -12,8 +12,8 @@ fingerprint and world size, the last KEEP kept, the newest that loads):
   - loading: rank 0 picks the newest folder whose meta.pt loads and whose shard files are all there
     at the sizes .metadata lists; after the fingerprint and world-size checks, dcp.load reads into
     the state dicts of this run's model and optimizer, each rank its own pieces, in place.
-DCP could reshard to another world size, but the data position and the random states belong to
-their ranks, so another world size is refused, as in common/checkpoint.py.
+At another world size dcp.load reshards: each rank of the new run reads, from whichever files hold
+them, the pieces of every tensor that its new shard covers (.metadata says where each piece is).
 """
 import re
 import shutil

@@ -11,6 +11,13 @@ WHAT is comma-separated:
                                interrupt a tiny run while it still trains
   forget-rng                   negative control: a resume does not restore the random state
   replay-epoch                 negative control: a resumed epoch starts again at its first batch
+  per-rank-cursor-from<N>      negative control: the cursor counted per rank, as N ranks wrote it (each
+                               rank's c / N samples done): every rank of the resumed run skips c / N
+                               of its own indices, so M ranks skip c·M/N of the shuffle, not c
+  record-samples               every rank appends the indices its training sampler yields, one a line,
+                               to $RECORD_SAMPLES/rank<R>.txt (what it trains on, in order)
+  record-loaded                every rank saves its parameters and optimizer state as they are before
+                               its first optimizer step (what it loaded) to $RECORD_SAMPLES/loaded-rank<R>.pt
   first-buckets                negative control: a resumed DDP does not rebuild its buckets before
                                its first step (common/ddp_buckets.py)
   none                         no crash
@@ -23,8 +30,10 @@ import runpy
 import signal
 import sys
 import time
+from pathlib import Path
 
-from torch.optim.optimizer import register_optimizer_step_post_hook
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 
 def die() -> None:
@@ -41,6 +50,26 @@ def after_step(step: int, action) -> None:
         if count == step:
             action()
     register_optimizer_step_post_hook(hook)
+
+
+def record_samples(path: Path) -> None:
+    from common.samplers import ResumableDistributedSampler
+    original_iter = ResumableDistributedSampler.__iter__
+
+    def recorded(self):
+        with open(path, "a") as file:
+            for index in original_iter(self):
+                print(index, file=file, flush=True)  # flushed: a rank killed after a step has written its batches
+                yield index
+    ResumableDistributedSampler.__iter__ = recorded
+
+
+def record_loaded(path: Path) -> None:
+    def hook(optimizer, args, kwargs) -> None:
+        if not path.exists():
+            parameters = [parameter.detach().clone() for group in optimizer.param_groups for parameter in group["params"]]
+            torch.save({"parameters": parameters, "optimizer": optimizer.state_dict()}, path)
+    register_optimizer_step_pre_hook(hook)
 
 
 def kill_in_save(save: int) -> None:
@@ -76,7 +105,16 @@ if __name__ == "__main__":
         elif item == "replay-epoch":
             from common.samplers import ResumableDistributedSampler
             original_set_epoch = ResumableDistributedSampler.set_epoch
-            ResumableDistributedSampler.set_epoch = lambda self, epoch, batches_done=0: original_set_epoch(self, epoch)
+            ResumableDistributedSampler.set_epoch = lambda self, epoch, samples_done=0: original_set_epoch(self, epoch)
+        elif per_rank := re.fullmatch(r"per-rank-cursor-from(\d+)", item):
+            from common.samplers import ResumableDistributedSampler
+            original_set_epoch, written_by = ResumableDistributedSampler.set_epoch, int(per_rank.group(1))
+            ResumableDistributedSampler.set_epoch = lambda self, epoch, samples_done=0: original_set_epoch(
+                self, epoch, samples_done // written_by * self.num_replicas)
+        elif item == "record-samples":
+            record_samples(Path(os.environ["RECORD_SAMPLES"]) / f"rank{rank}.txt")
+        elif item == "record-loaded":
+            record_loaded(Path(os.environ["RECORD_SAMPLES"]) / f"loaded-rank{rank}.pt")
         elif item == "first-buckets":
             import common.ddp_buckets
             common.ddp_buckets.rebuild_buckets = lambda model, autocast, *inputs, **kwargs: None

@@ -73,6 +73,17 @@ def bitwise_equal(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def same_state(a, b) -> bool:
+    """Every tensor bitwise equal and every other value equal, in nested dicts and lists."""
+    def without_tensors(tree):
+        if isinstance(tree, dict):
+            return {key: without_tensors(value) for key, value in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return [without_tensors(item) for item in tree]
+        return None if isinstance(tree, torch.Tensor) else tree
+    return bitwise_equal(tensors_in(a), tensors_in(b)) and without_tensors(a) == without_tensors(b)
+
+
 def files_in(folder) -> dict:
     return {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
@@ -96,9 +107,9 @@ def uninterrupted(tiny_mnist, tmp_path_factory):
 
 
 @pytest.mark.parametrize("what, resumed_at", [
-    ("kill-rank1-after-step10", "step-00000008.pt: epoch 1, 2 batches into it, step 8"),  # mid-epoch, no warning
-    ("kill-rank0-in-save2", "step-00000004.pt: epoch 0, 4 batches into it, step 4"),  # the step-8 file never lands
-    ("term-rank0-after-step6", "step-00000006.pt: epoch 1, 0 batches into it, step 6"),  # rank 1 got no signal
+    ("kill-rank1-after-step10", "step-00000008.pt: epoch 1, 66 samples into it, step 8"),  # mid-epoch, no warning
+    ("kill-rank0-in-save2", "step-00000004.pt: epoch 0, 132 samples into it, step 4"),  # the step-8 file never lands
+    ("term-rank0-after-step6", "step-00000006.pt: epoch 1, 0 samples into it, step 6"),  # rank 1 got no signal
 ])
 def test_killed_run_resumes_bitwise(uninterrupted, tiny_mnist, tmp_path, what, resumed_at):
     result = run(tmp_path, tiny_mnist, what)
@@ -145,9 +156,8 @@ def test_truncated_checkpoint_falls_back_to_the_one_before(uninterrupted, tiny_m
 
 
 @pytest.mark.parametrize("processes, flags, phrase", [
-    (1, [], "was written by 3 processes and this run has 1; each rank's data position and random state"),
     (3, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),
-    (1, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),  # the run first, then the processes
+    (1, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),  # at another world size too
     (3, ["--precision", "bf16"], "belongs to another run (precision fp32 there, bf16 here)"),
 ])
 def test_checkpoint_of_another_run_is_refused(uninterrupted, tiny_mnist, tmp_path, processes, flags, phrase):
@@ -160,18 +170,34 @@ def test_checkpoint_of_another_run_is_refused(uninterrupted, tiny_mnist, tmp_pat
 def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path, precision):
     """The tiny BERT: dropout in every layer and a linear schedule; 2 epochs of 10 steps, killed after 14.
     In the default precision too (bf16 where the CPU has it): autocast's casts are nodes of the graph
-    whose gradient order DDP records, so the resumed buckets are rebuilt under the same autocast."""
+    whose gradient order DDP records, so the resumed buckets are rebuilt under the same autocast. The fp32
+    run's checkpoint is also refused in bf16, and resumed at 1 process (resaved_at_1)."""
     data, precision = (tiny_bert, nli_pairs), ["--precision", precision]
     uninterrupted, killed = tmp_path / "uninterrupted", tmp_path / "killed"
     assert_ran(run(uninterrupted, data, "none", 3, *precision, script="ddp_resume.py"), "over 13 pairs")
     result = run(killed, data, "kill-rank1-after-step14", 3, *precision, script="ddp_resume.py")
-    assert_ran(result, f"resumed from {killed}/step-00000012.pt: epoch 1, 2 batches into it, step 12", "over 13 pairs")
+    assert_ran(result, f"resumed from {killed}/step-00000012.pt: epoch 1, 24 samples into it, step 12", "over 13 pairs")
     assert bitwise_equal(final_state(killed), final_state(uninterrupted))
     schedule = torch.load(killed / "step-00000020.pt", weights_only=True)["scheduler"]
     assert schedule["last_epoch"] == 20 and schedule["_last_lr"] == [0.0]  # the decay went on from step 12, to its end
     if precision == ["--precision", "fp32"]:
         refused = run(uninterrupted, data, "none", 3, "--precision", "bf16", restarts=0, script="ddp_resume.py")
         assert refused.returncode != 0 and "(precision fp32 there, bf16 here)" in refused.stderr, refused.stderr[-3000:]
+        resaved_at_1(uninterrupted / "step-00000020.pt", tmp_path / "at-1", data)
+
+
+def resaved_at_1(checkpoint, folder, data):
+    """A finished 3-process BERT checkpoint resumed at 1 process (the global batch of 12 divides): nothing
+    left to train, so the run saves what it loaded, and the weights, AdamW, the schedule (its step and
+    learning rate) and the loss scaler are the checkpoint's, tensor for tensor."""
+    folder.mkdir()
+    shutil.copy(checkpoint, folder)
+    assert_ran(run(folder, data, "none", 1, "--precision", "fp32", restarts=0, script="ddp_resume.py"),
+               "written by 3 processes, continued by 1")
+    written_by_3, written_by_1 = torch.load(checkpoint, weights_only=True), torch.load(folder / checkpoint.name, weights_only=True)
+    assert (written_by_3["world_size"], written_by_1["world_size"]) == (3, 1)
+    assert same_state(*({key: value for key, value in written.items() if key not in ("world_size", "rng")}
+                        for written in (written_by_3, written_by_1)))
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +210,7 @@ def fsdp_uninterrupted(tiny_mnist, tmp_path_factory):
 
 def test_fsdp_killed_run_resumes_bitwise_from_sharded_checkpoints(fsdp_uninterrupted, tiny_mnist, tmp_path):
     result = run(tmp_path, tiny_mnist, "kill-rank1-after-step10", script="mnist_fsdp_resume.py")
-    assert_ran(result, f"resumed from {tmp_path}/step-00000008: epoch 1, 2 batches into it, step 8", "over 101 images")
+    assert_ran(result, f"resumed from {tmp_path}/step-00000008: epoch 1, 66 samples into it, step 8", "over 101 images")
     assert sorted(path.name for path in tmp_path.glob("step-*")) == ["step-00000008", "step-00000012"]
     for folder in tmp_path.glob("step-*"):  # one file of pieces per rank, the index, and rank 0's metadata
         assert sorted(path.name for path in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
@@ -192,11 +218,29 @@ def test_fsdp_killed_run_resumes_bitwise_from_sharded_checkpoints(fsdp_uninterru
     assert bitwise_equal(sharded_final_state(tmp_path), sharded_final_state(fsdp_uninterrupted))
 
 
-def test_fsdp_checkpoint_of_another_world_size_is_refused(fsdp_uninterrupted, tiny_mnist, tmp_path):
-    """DCP could load the pieces into 1 process, but the data position and random states are per rank."""
-    folder = shutil.copytree(fsdp_uninterrupted, tmp_path / "copy")
-    refused_and_untouched(folder, "step-00000012 was written by 3 processes and this run has 1", tiny_mnist, "none", 1,
-                          script="mnist_fsdp_resume.py")
+@pytest.mark.parametrize("script", ["mnist_3_ddp_resume.py", "mnist_fsdp_resume.py"])
+def test_a_world_size_the_global_batch_does_not_divide_over_is_refused(uninterrupted, fsdp_uninterrupted, tiny_mnist,
+                                                                        tmp_path, script):
+    """A checkpoint of global batch 33 resumed at 2 processes: another world size resumes (tests/test_reshard.py),
+    but only with the same global batch, and 33 does not split over 2."""
+    written = uninterrupted if script.startswith("mnist_3") else fsdp_uninterrupted
+    folder = shutil.copytree(written, tmp_path / "copy")
+    result = refused_and_untouched(folder, "--batch-size 33 is the global batch and must divide evenly over 2 processes",
+                                   tiny_mnist, "none", 2, "--batch-size", "33", script=script)
+    assert "a number of processes that divides 33" in result.stderr
+
+
+def test_fsdp_sharded_checkpoint_reshards_from_3_processes_to_1(fsdp_uninterrupted, tiny_mnist, tmp_path):
+    """The finished 3-process run's last sharded checkpoint, resumed at 1 process (the global batch of 33
+    divides over 1): dcp.load reads the pieces of all 3 files into the one rank, nothing is left to train,
+    and the run saves what it loaded, in one piece now: the full model and AdamW state (both moments and
+    the step of every parameter) are equal, tensor for tensor."""
+    folder = tmp_path / "at-1"
+    shutil.copytree(fsdp_uninterrupted / "step-00000012", folder / "step-00000012")
+    assert_ran(run(folder, tiny_mnist, "none", 1, restarts=0, script="mnist_fsdp_resume.py"),
+               f"resumed from {folder}/step-00000012: epoch 2, 0 samples into it, step 12", "continued by 1")
+    assert sorted(path.name for path in (folder / "step-00000012").glob("*.distcp")) == ["__0_0.distcp"]
+    assert bitwise_equal(sharded_final_state(folder), sharded_final_state(fsdp_uninterrupted))
 
 
 def test_fsdp_checkpoint_of_another_precision_is_refused_before_its_shards_load(fsdp_uninterrupted, tiny_mnist, tmp_path):

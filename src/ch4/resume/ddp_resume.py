@@ -6,8 +6,9 @@ linear decay must continue from its step, not restart at the peak), and dropout 
 makes the restored per-rank random state visible in the weights. Every --checkpoint-every optimizer
 steps all ranks save together (weights, optimizer, scheduler, loss scaler, position, each rank's
 random state); at start-up the newest checkpoint that loads is restored; a resumed epoch continues
-at the next unseen batch of the same shuffle; SIGTERM/SIGUSR1 stop all ranks at one step after a
-checkpoint; the trained weights go to DIR/final.pt.
+at the next unseen global batch of the same shuffle (the position is a global sample cursor, so at
+another world size too); SIGTERM/SIGUSR1 stop all ranks at one step after a checkpoint; the trained
+weights go to DIR/final.pt.
 
 Run from the repository root; a rerun of the same command resumes from the newest checkpoint:
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=4 --max-restarts=3 src/ch4/resume/ddp_resume.py --checkpoint-dir checkpoints/bert
@@ -60,7 +61,7 @@ def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, 
         loss_sum += loss.detach()
         steps += 1
         progress.update()
-        position.advance(loader.sampler.batches_per_epoch)  # STEP
+        position.advance(loader.sampler.global_batch, len(loader.dataset))  # STEP: the samples all ranks trained on
         if stop.agreed(device) or checkpoints.due(position):  # STEP: one small all-reduce: all ranks stop at one step
             checkpoints.save(position, training_state(model, optimizer, scheduler, scaler))  # STEP: every rank calls it
         if stop.signum:  # STEP
@@ -114,7 +115,7 @@ def main(args):
                               fingerprint={"global batch": args.batch_size, "training pairs": len(train_set),  # STEP
                                            "seed": args.seed, "steps": total_steps, "model": args.model,  # STEP
                                            "precision": precision})  # STEP: only fp16 has a loss-scaler state to resume
-    state = checkpoints.load_newest()  # STEP: None on a fresh start; restores this rank's random state
+    state = checkpoints.load_newest()  # STEP: None on a fresh start; this rank's random state back, or reseeded at another world size
     position = Position(**state["position"]) if state else Position()  # STEP
     if state:  # STEP
         model.module.load_state_dict(state["model"])  # STEP
@@ -128,7 +129,7 @@ def main(args):
     progress = tqdm(total=total_steps, initial=position.step, desc="training", disable=launch.rank != 0)  # STEP
     steps_done, train_seconds = 0, 0.0
     for epoch in range(position.epoch, args.epochs):  # STEP
-        train_sampler.set_epoch(epoch, position.batches_done)  # STEP: the same shuffle, minus the batches done
+        train_sampler.set_epoch(epoch, position.samples_done)  # STEP: the same shuffle, from the global cursor on
         start = time.perf_counter()
         loss, steps = train_epoch(model, train_loader, optimizer, scheduler, scaler, device, precision,
                                   args.max_grad_norm, total_steps - position.step, progress, position, checkpoints, stop)  # STEP

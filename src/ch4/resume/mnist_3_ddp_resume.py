@@ -3,14 +3,16 @@
 Jobs die: a node is preempted, a worker is OOM-killed, a SLURM job hits its time limit. This is
 mnist_3_ddp.py with checkpoints a restarted job resumes from, bit for bit. What changes:
   - every --checkpoint-every optimizer steps all ranks save together: the weights, the optimizer's
-    moments, the loss scaler, the position (epoch, batches done in it, step), and each rank's own
+    moments, the loss scaler, the position (epoch, samples done in it, step), and each rank's own
     random-number state (common/checkpoint.py gathers them to rank 0, which writes the file
     atomically and keeps the last two);
   - at start-up the newest checkpoint that loads is restored, or training starts from the beginning;
   - a resumed DDP rebuilds its gradient buckets before its first step, as the interrupted run had
     them (common/ddp_buckets.py): at 3 or more processes, other buckets would round the sums otherwise;
-  - the sampler's position is (epoch, batches done): a resumed epoch continues with the next unseen
-    batch of the same shuffle, and the skipped batches are never loaded;
+  - the sampler's position is a global sample cursor (the samples of the epoch that all ranks
+    together trained on): a resumed epoch continues with the next unseen global batch of the same
+    shuffle, at the world size that stopped or at another that divides the global batch (each rank's
+    random state is then reseeded: docs/scale_out.md), and the skipped samples are never loaded;
   - the loader gets its own random generator: iter(DataLoader) draws a seed from the global one, and
     that draw would shift every later dropout mask after a resume;
   - SIGTERM or SIGUSR1 (what torchrun and SLURM send before killing a job) stops all ranks at the same
@@ -20,7 +22,8 @@ mnist_3_ddp.py with checkpoints a restarted job resumes from, bit for bit. What 
 Run from the repository root; a rerun of the same command resumes from the newest checkpoint:
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 src/ch4/resume/mnist_3_ddp_resume.py --checkpoint-dir checkpoints/mnist
 With --max-restarts torchrun restarts all workers when one dies, and they resume from the checkpoint;
-the variable gives each restart a fresh rendezvous store (docs/resume.md).
+the variable gives each restart a fresh rendezvous store (docs/resume.md). Rerun with another
+--nproc_per_node and the run continues at that world size, with the same global batch.
 Under SLURM, a job that requeues itself before its time limit: sbatch -N2 slurm/requeue.sbatch
 src/ch4/resume/mnist_3_ddp_resume.py --checkpoint-dir checkpoints/mnist (see slurm/README.md).
 
@@ -61,7 +64,7 @@ def train_epoch(model, loader, optimizer, scaler, device, precision, position, c
         scaler.step(optimizer)
         scaler.update()
         loss_sum += loss.detach()
-        position.advance(loader.sampler.batches_per_epoch)  # STEP
+        position.advance(loader.sampler.global_batch, len(loader.dataset))  # STEP: the samples all ranks trained on
         if stop.agreed(device) or checkpoints.due(position):  # STEP: one small all-reduce: all ranks stop at one step
             checkpoints.save(position, training_state(model, optimizer, scaler))  # STEP: every rank calls it
         if stop.signum:  # STEP
@@ -111,7 +114,7 @@ def main():
     checkpoints = Checkpoints(args.checkpoint_dir, args.checkpoint_every, device=device,  # STEP: what must match to resume:
                               fingerprint={"global batch": args.batch_size, "training images": len(train_set), "seed": args.seed,  # STEP
                                            "precision": precision})  # STEP: only fp16 has a loss-scaler state to resume
-    state = checkpoints.load_newest()  # STEP: None on a fresh start; restores this rank's random state
+    state = checkpoints.load_newest()  # STEP: None on a fresh start; this rank's random state back, or reseeded at another world size
     position = Position(**state["position"]) if state else Position()  # STEP
     if state:  # STEP
         model.module.load_state_dict(state["model"])  # STEP
@@ -124,7 +127,7 @@ def main():
     print0(f"{launch.world_size} processes on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
     train_seconds = 0.0
     for epoch in range(position.epoch, args.epochs):  # STEP
-        train_sampler.set_epoch(epoch, position.batches_done)  # STEP: the same shuffle, minus the batches done
+        train_sampler.set_epoch(epoch, position.samples_done)  # STEP: the same shuffle, from the global cursor on
         start = time.perf_counter()
         loss = train_epoch(model, train_loader, optimizer, scaler, device, precision, position, checkpoints, stop)  # STEP
         train_seconds += time.perf_counter() - start

@@ -10,7 +10,7 @@ the whole optimizer state, so the checkpoint is sharded too. What changes from m
     and every rank's random state (common/sharded_checkpoint.py, on top of common/checkpoint.py);
   - to resume, get_state_dict builds the same dicts for this run, dcp.load fills them in place (each
     rank reads its own pieces) and set_state_dict puts them into the sharded model and AdamW;
-  - the rest is mnist_3_ddp_resume.py's: the position (epoch, batches done, step), the resumable
+  - the rest is mnist_3_ddp_resume.py's: the position (epoch, samples done, step), the resumable
     sampler, the loader's own generator, SIGTERM/SIGUSR1 stopping all ranks at one step;
   - the trained weights go to DIR/final.pt as one full state dict, gathered to rank 0's CPU
     (get_model_state_dict with full_state_dict=True, cpu_offload=True), loadable into BasicNet.
@@ -19,7 +19,8 @@ Run from the repository root; a rerun of the same command resumes from the newes
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 src/ch4/resume/mnist_fsdp_resume.py --checkpoint-dir checkpoints/mnist-fsdp
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=gpu --max-restarts=3 src/ch4/resume/mnist_fsdp_resume.py --checkpoint-dir checkpoints/mnist-fsdp
 With --max-restarts torchrun restarts all workers when one dies, and they resume from the checkpoint
-(docs/resume.md, "Sharded checkpoints (FSDP2)"). A checkpoint resumes only with the world size that wrote it.
+(docs/resume.md, "Sharded checkpoints (FSDP2)"). Rerun with another --nproc_per_node and dcp.load
+reshards the pieces to the new world size (docs/scale_out.md).
 On a CPU torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores.
 
 Lines marked `# STEP` are what this step changes in mnist_fsdp.py.
@@ -63,7 +64,7 @@ def train_epoch(model, loader, optimizer, scaler, device, precision, position, c
         scaler.step(optimizer)
         scaler.update()
         loss_sum += loss.detach()
-        position.advance(loader.sampler.batches_per_epoch)  # STEP
+        position.advance(loader.sampler.global_batch, len(loader.dataset))  # STEP: the samples all ranks trained on
         if stop.agreed(device) or checkpoints.due(position):  # STEP: one small all-reduce: all ranks stop at one step
             checkpoints.save(position, training_state(model, optimizer, scaler))  # STEP: every rank writes its pieces
         if stop.signum:  # STEP
@@ -131,7 +132,7 @@ def main():
     print0(f"{launch.world_size} processes on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
     train_seconds = 0.0
     for epoch in range(position.epoch, args.epochs):  # STEP
-        train_sampler.set_epoch(epoch, position.batches_done)  # STEP: the same shuffle, minus the batches done
+        train_sampler.set_epoch(epoch, position.samples_done)  # STEP: the same shuffle, from the global cursor on
         start = time.perf_counter()
         loss = train_epoch(model, train_loader, optimizer, scaler, device, precision, position, checkpoints, stop)  # STEP
         train_seconds += time.perf_counter() - start
