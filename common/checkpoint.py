@@ -225,7 +225,12 @@ class Checkpoints:
         return None, None
 
     def _check(self, state: dict, path: Path) -> None:
-        """Another run's checkpoint (the folder may hold one) is refused; another world size is not."""
+        """Another run's checkpoint (the folder may hold one), or one whose position this code does not
+        read (written before the position became a global cursor), is refused; another world size is not."""
+        if set(state["position"]) != set(Position.__dataclass_fields__):
+            sys.exit(f"error: {path} was written by an older version of these scripts (its position holds "
+                     f"{', '.join(sorted(state['position']))}); finish that run with the code that started it, "
+                     "or start afresh with another --checkpoint-dir.")
         different = {key: (state["fingerprint"].get(key), value) for key, value in self.fingerprint.items()
                      if state["fingerprint"].get(key) != value}
         if different:

@@ -6,9 +6,10 @@ import os
 import signal
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from common.checkpoint import Checkpoints
+from common.checkpoint import Checkpoints, Position
 from common.spawn import run_in_process_group
 from common.stop_signal import StopSignal
 
@@ -50,3 +51,17 @@ def test_the_loss_scaler_goes_through_a_checkpoint(tmp_path):
     restored.load_state_dict(checkpoints.load_newest()["scaler"])
     assert restored.state_dict() == scaler.state_dict() and restored.get_scale() == 2.0 ** 10
     assert restored.state_dict()["_growth_tracker"] == 2
+
+
+def test_a_checkpoint_of_an_older_position_is_one_sentence(tmp_path):
+    """A checkpoint written when the position counted batches per rank stops the run with one sentence,
+    and the folder keeps it."""
+    checkpoints = Checkpoints(tmp_path, 1, fingerprint={}, device=torch.device("cpu"))
+    checkpoints.save(Position(step=2), {})
+    path = tmp_path / "step-00000002.pt"
+    old = torch.load(path, weights_only=True)
+    old["position"] = {"epoch": 0, "batches_done": 2, "step": 2}
+    torch.save(old, path)
+    with pytest.raises(SystemExit, match="written by an older version of these scripts"):
+        checkpoints.load_newest()
+    assert torch.load(path, weights_only=True)["position"]["batches_done"] == 2
