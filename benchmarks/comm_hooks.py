@@ -36,12 +36,17 @@ def runs(sync_every: int) -> dict[str, tuple[str, list[str]]]:
 
 
 def measure(command: list[str]) -> dict[str, float]:
-    """Run one configuration and read its bytes-per-step and test-accuracy lines."""
+    """Run one configuration and read what it printed."""
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if result.returncode:
         sys.exit(f"error: {' '.join(command)} failed:\n{result.stderr[-2000:]}")
-    sent = re.search(r"sent per rank per step \(all-reduce payload, mean of \d+ steps\): ([\d,]+) B", result.stdout)
-    accuracy = re.search(r"test accuracy ([\d.]+)% over (\d+) images", result.stdout)
+    return parse(result.stdout)
+
+
+def parse(stdout: str) -> dict[str, float]:
+    """The bytes-per-step and test-accuracy lines of mnist_comm_hooks.py's or mnist_diloco.py's output."""
+    sent = re.search(r"sent per rank per step \(all-reduce payload, mean of \d+ steps\): ([\d,]+) B", stdout)
+    accuracy = re.search(r"test accuracy ([\d.]+)% over (\d+) images", stdout)
     return {"bytes": int(sent.group(1).replace(",", "")), "accuracy": float(accuracy.group(1))}
 
 

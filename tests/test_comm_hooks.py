@@ -23,6 +23,9 @@ from common.mnist import BasicNet
 from common.spawn import run_in_process_group
 from conftest import ROOT, TEST_IMAGES, TORCHRUN, assert_ran
 
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark imports its neighbour plotting
+import comm_hooks as benchmark  # noqa: E402
+
 WORLD_SIZE = 3
 STEPS = 4  # PowerSGD compresses from step 2 on (START_POWERSGD): steps 2 and 3 are compressed
 FULL_RANK = 10_000  # above every matrix's min(n, m): PowerSGD's factors span the whole gradient
@@ -201,6 +204,7 @@ def test_comm_hooks_script_under_torchrun(run_command, tiny_mnist):
                          "--batch-size", "6", "--comm-hook", "powersgd", "--powersgd-rank", "4", "--dist-timeout", 60)
     assert_ran(result, "comm hook powersgd, rank 4", "mean of 32 steps): 449,438 B", "plain DDP's 4,799,528 B",
                f"over {TEST_IMAGES} images")
+    assert benchmark.parse(result.stdout)["bytes"] == 449_438  # what benchmarks/comm_hooks.py reads from the run
 
 
 def test_diloco_script_under_torchrun(run_command, tiny_mnist):
@@ -208,6 +212,7 @@ def test_diloco_script_under_torchrun(run_command, tiny_mnist):
     result = run_command(*TORCHRUN, "--nproc_per_node=2", SCALE_OUT / "mnist_diloco.py", "--data-dir", tiny_mnist,
                          "--batch-size", "6", "--sync-every", "5", "--dist-timeout", 60)
     assert_ran(result, f"mean of 32 steps): {7 * 4_799_528 / 32:,.0f} B", f"over {TEST_IMAGES} images")
+    assert benchmark.parse(result.stdout)["bytes"] == round(7 * 4_799_528 / 32)
 
 
 @pytest.mark.parametrize("script, flags, sentence", [
