@@ -66,9 +66,14 @@ def plot(results: dict[str, dict[str, float]], title: str, path: str) -> None:
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, r in results.items():
+    labelled = set()
+    for name, r in sorted(results.items(), key=lambda item: -item[1]["accuracy"]):
         ax.scatter(r["bytes"] / 1e3, r["accuracy"], color="#1f77b4")
-        ax.annotate(name, (r["bytes"] / 1e3, r["accuracy"]), textcoords="offset points", xytext=(6, 4), fontsize=8)
+        below = r["bytes"] in labelled  # the lower of two runs that send the same bytes: its label below
+        ax.annotate(name, (r["bytes"] / 1e3, r["accuracy"]), textcoords="offset points", xytext=(6, -12 if below else 4),
+                    fontsize=8)
+        labelled.add(r["bytes"])
+    ax.margins(x=0.15, y=0.12)
     ax.set_xscale("log")
     ax.set_xlabel("kB each rank hands to all-reduce per step (log scale; fewer is better)")
     ax.set_ylabel("test accuracy after 1 epoch, %")
