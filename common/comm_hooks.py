@@ -25,27 +25,25 @@ from common.allreduce import bytes_sent_per_rank
 
 HOOKS = ("none", "fp16", "bf16", "powersgd")
 START_POWERSGD = 2  # plain all-reduce for the first steps: the fewest PowerSGD allows with error feedback
-MIN_COMPRESSION_RATE = 2  # torch's default: a matrix is compressed only if that sends half or less
+MIN_COMPRESSION_RATE = 2  # torch's default: a matrix is compressed only if that sends less than half
 
 
-def register_comm_hook(model, name: str, powersgd_rank: int = 1, start_powersgd: int = START_POWERSGD,
-                       min_compression_rate: float = MIN_COMPRESSION_RATE, group=None):
-    """Register torch's hook `name` on a DDP model and return its state (a PowerSGDState, or the group).
+def register_comm_hook(model, name: str, powersgd_rank: int = 1, min_compression_rate: float = MIN_COMPRESSION_RATE):
+    """Register torch's hook `name` on a DDP model, over the default process group.
 
     "none" registers allreduce_hook: what DDP does without a hook, written in Python, where
     AllReduceCounter sees it (DDP's own reduction runs in C++)."""
     if name not in HOOKS:
         raise ValueError(f"unknown communication hook {name!r}; known: {', '.join(HOOKS)}")
     if name == "powersgd":
-        state = powerSGD_hook.PowerSGDState(group, matrix_approximation_rank=powersgd_rank,
-                                            start_powerSGD_iter=start_powersgd, min_compression_rate=min_compression_rate,
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=powersgd_rank,
+                                            start_powerSGD_iter=START_POWERSGD, min_compression_rate=min_compression_rate,
                                             use_error_feedback=True, warm_start=True)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return state
-    hook = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
-            "bf16": default_hooks.bf16_compress_hook}[name]
-    model.register_comm_hook(group, hook)
-    return group
+    else:
+        hook = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
+                "bf16": default_hooks.bf16_compress_hook}[name]
+        model.register_comm_hook(None, hook)
 
 
 def bucket_cap_mb(name: str, model) -> float | None:
@@ -54,7 +52,8 @@ def bucket_cap_mb(name: str, model) -> float | None:
     PowerSGD issues its second and third all-reduce from a callback, when the one before it finishes.
     gloo finishes collectives on its own threads, so with two buckets in flight the ranks can issue
     those all-reduces in different orders: a collective mismatch (gloo::EnforceNotMet, "Received data
-    size doesn't match expected size", seen here at step 3). NCCL runs callbacks as it enqueues, in order."""
+    size doesn't match expected size", seen here at the first compressed step). NCCL completes a future as it enqueues the collective
+    on the GPU stream, so the callbacks run at once, in the same order on every rank."""
     if name == "powersgd" and dist.get_backend() == "gloo":
         return gradient_bytes(model) / 2**20 + 1
     return None
@@ -80,7 +79,7 @@ class AllReduceCounter:
     this process makes; totals grow over several `with` blocks.
 
     It wraps torch.distributed.all_reduce, the function torch's hooks and common/local_sgd.py call.
-    PowerSGD issues its second and third all-reduce from a callback on gloo's or NCCL's thread, hence the lock.
+    PowerSGD issues its second and third all-reduce from a callback, which gloo runs on its own threads: hence the lock.
     """
 
     def __init__(self):
