@@ -21,7 +21,7 @@ from common.comm_hooks import AllReduceCounter, bucket_cap_mb, gradient_bytes, p
 from common.local_sgd import OuterOptimizer
 from common.mnist import BasicNet
 from common.spawn import run_in_process_group
-from conftest import ROOT, TEST_IMAGES, TORCHRUN, assert_ran
+from conftest import ROOT, TEST_IMAGES, TORCHRUN, assert_ran, run_as_user
 
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark imports its neighbour plotting
 import comm_hooks as benchmark  # noqa: E402
@@ -197,22 +197,35 @@ def test_local_sgd_is_the_mean_and_diloco_a_nesterov_step_on_the_pseudo_gradient
 SCALE_OUT = ROOT / "src" / "ch4" / "scale_out"
 
 
-def test_comm_hooks_script_under_torchrun(run_command, tiny_mnist):
-    """192 images at a global batch of 6 on 2 processes: 32 steps, the first 2 plain (4,799,528 B), then
-    PowerSGD at rank 4 (159,432 B): a mean of 449,438 B per step."""
-    result = run_command(*TORCHRUN, "--nproc_per_node=2", SCALE_OUT / "mnist_comm_hooks.py", "--data-dir", tiny_mnist,
-                         "--batch-size", "6", "--comm-hook", "powersgd", "--powersgd-rank", "4", "--dist-timeout", 60)
-    assert_ran(result, "comm hook powersgd, rank 4", "mean of 32 steps): 449,438 B", "plain DDP's 4,799,528 B",
-               f"over {TEST_IMAGES} images")
-    assert benchmark.parse(result.stdout)["bytes"] == 449_438  # what benchmarks/comm_hooks.py reads from the run
+@pytest.fixture(scope="module")
+def script_runs(tiny_mnist):
+    """Each script once under torchrun, 2 processes, 192 images at a global batch of 6: 32 steps."""
+    common = ["--data-dir", tiny_mnist, "--batch-size", "6", "--dist-timeout", 60]
+    return {"powersgd4": run_as_user(*TORCHRUN, "--nproc_per_node=2", SCALE_OUT / "mnist_comm_hooks.py", *common,
+                                     "--comm-hook", "powersgd", "--powersgd-rank", "4"),
+            "diloco": run_as_user(*TORCHRUN, "--nproc_per_node=2", SCALE_OUT / "mnist_diloco.py", *common,
+                                  "--sync-every", "5")}
 
 
-def test_diloco_script_under_torchrun(run_command, tiny_mnist):
-    """32 steps at H = 5: synchronised 6 times, and once more at the end of the epoch."""
-    result = run_command(*TORCHRUN, "--nproc_per_node=2", SCALE_OUT / "mnist_diloco.py", "--data-dir", tiny_mnist,
-                         "--batch-size", "6", "--sync-every", "5", "--dist-timeout", 60)
-    assert_ran(result, f"mean of 32 steps): {7 * 4_799_528 / 32:,.0f} B", f"over {TEST_IMAGES} images")
-    assert benchmark.parse(result.stdout)["bytes"] == round(7 * 4_799_528 / 32)
+def test_comm_hooks_script_under_torchrun(script_runs):
+    """The first 2 steps plain (4,799,528 B), then PowerSGD at rank 4 (159,432 B): a mean of 449,438 B per step."""
+    assert_ran(script_runs["powersgd4"], "comm hook powersgd, rank 4", "mean of 32 steps): 449,438 B",
+               "plain DDP's 4,799,528 B", f"over {TEST_IMAGES} images")
+
+
+def test_diloco_script_under_torchrun(script_runs):
+    """At H = 5: synchronised 6 times, and once more at the end of the epoch."""
+    assert_ran(script_runs["diloco"], f"mean of 32 steps): {7 * 4_799_528 / 32:,.0f} B", f"over {TEST_IMAGES} images")
+
+
+def test_the_benchmark_reads_the_runs_and_draws_them(script_runs, tmp_path):
+    """benchmarks/comm_hooks.py's table and plot, from these two runs' own output."""
+    results = {name: benchmark.parse(run.stdout) for name, run in script_runs.items()}
+    assert results["powersgd4"]["bytes"] == 449_438 and results["diloco"]["bytes"] == round(7 * 4_799_528 / 32)
+    rows = benchmark.table(results).splitlines()
+    assert rows[2].startswith("| powersgd4 | 449.4 kB | 1.0x less |") and rows[3].startswith("| diloco | 1,049.9 kB | 0.4x less |")
+    benchmark.plot(results, "test", str(tmp_path / "plot.png"))
+    assert (tmp_path / "plot.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("script, flags, sentence", [
