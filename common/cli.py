@@ -2,6 +2,7 @@
 import argparse
 import sys
 
+from common.comm_hooks import HOOKS
 from common.precision import AUTO_HELP
 
 
@@ -16,6 +17,13 @@ def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a number above 0, not {text}")
+    return value
+
+
+def momentum(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {text}")
     return value
 
 
@@ -59,6 +67,27 @@ def add_checkpoint_flags(parser: argparse.ArgumentParser, folder: str, every: in
                              f"(default: {folder})")
     parser.add_argument("--checkpoint-every", type=positive_int, default=every,
                         help=f"optimizer steps between checkpoints (default: {every})")
+    return parser
+
+
+def add_comm_hook_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The compression rung's flags: which DDP communication hook, and PowerSGD's rank."""
+    parser.add_argument("--comm-hook", choices=HOOKS, default="none",
+                        help="none: fp32 gradients as DDP sends them; fp16, bf16: cast to 16 bits; powersgd: "
+                             "low-rank factors of each weight's gradient (default: none)")
+    parser.add_argument("--powersgd-rank", type=positive_int, default=1,
+                        help="PowerSGD's rank r: r(n+m) numbers per n×m gradient instead of n·m (default: 1)")
+    return parser
+
+
+def add_local_sgd_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The DiLoCo rung's flags: how often the replicas meet, and the outer optimizer."""
+    parser.add_argument("--sync-every", type=positive_int, default=8,
+                        help="inner steps between synchronisations, H (default: 8)")
+    parser.add_argument("--outer-lr", type=positive_float, default=0.7,
+                        help="outer SGD's learning rate; 1 with --outer-momentum 0 is local SGD (default: 0.7)")
+    parser.add_argument("--outer-momentum", type=momentum, default=0.9,
+                        help="outer SGD's Nesterov momentum, in [0, 1); 0: plain SGD (default: 0.9)")
     return parser
 
 

@@ -38,6 +38,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from common.allreduce import bytes_sent_per_rank
+from common.comm_hooks import powersgd_numel
 
 GB = 1e9
 MiB = 2**20
@@ -242,8 +243,7 @@ def model_of_config(config, model_class=None, powersgd_ranks=(1, 4)) -> Model:
         model = (model_class or AutoModel).from_config(config)
     params = list(model.parameters())  # a tied parameter once
     embeddings = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
-    powersgd = {rank: sum(min(p.numel(), rank * (p.shape[0] + p[0].numel())) if p.dim() > 1 else p.numel()
-                          for p in params) for rank in powersgd_ranks}
+    powersgd = {rank: sum(powersgd_numel(p.shape, rank) for p in params) for rank in powersgd_ranks}
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     shape = [getattr(text, key, None) for key in ("num_hidden_layers", "hidden_size", "num_attention_heads")]
     return Model(sum(p.numel() for p in params), embeddings, *shape, powersgd)

@@ -19,7 +19,9 @@ STEPS = [*zip(MNIST_LADDER, MNIST_LADDER[1:]),  # each script is one step from t
          ("mnist_3_ddp.py", "sharded/mnist_fsdp.py"), ("ddp.py", "sharded/nli_fsdp.py"),
          ("sharded/mnist_fsdp.py", "resume/mnist_fsdp_resume.py"),  # the FSDP script, restartable: sharded checkpoints
          ("sharded/mnist_fsdp.py", "scale_out/mnist_hsdp.py"),  # the FSDP script on a 2-D mesh: HSDP
-         ("mnist_3_ddp.py", "mnist_5_lightning.py")]  # Lightning, like Accelerate, takes over step 3's plumbing
+         ("mnist_3_ddp.py", "mnist_5_lightning.py"),  # Lightning, like Accelerate, takes over step 3's plumbing
+         ("mnist_3_ddp.py", "scale_out/mnist_comm_hooks.py"),  # fewer bytes per step: a DDP communication hook
+         ("mnist_3_ddp.py", "scale_out/mnist_diloco.py")]  # fewer steps that communicate: local SGD and DiLoCo
 BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py"]
 # Not rungs: each program of the debugging gallery holds one bug and, behind --fixed, its fix
 # (tests/test_debugging.py runs both).

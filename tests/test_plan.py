@@ -9,7 +9,8 @@ import sys
 import pytest
 from transformers import AutoModelForSequenceClassification
 
-from common.plan import GPUS, NETWORKS, Model, main, memory_bytes, plan
+from common.comm_hooks import powersgd_numel
+from common.plan import GPUS, NETWORKS, Model, main, memory_bytes, model_of_config, plan
 from conftest import PYTHON, ROOT, assert_clear_error
 
 sys.path.insert(0, str(ROOT / "benchmarks"))  # plan_check imports its neighbour sharded_memory
@@ -80,6 +81,24 @@ def test_model_counted_on_the_meta_device(capsys, tiny_bert):
     out = json.loads(capsys.readouterr().out)
     assert out["params"] == real
     assert out["plans"][0]["activation_bytes"] > 0  # layers, width and heads came from the config
+
+
+def test_powersgd_bytes_follow_torchs_rule():
+    """powerSGD_hook sends a matrix whole unless rank r makes it min_compression_rate (2) times smaller:
+    BasicNet's conv1 gradient, 32×9, at rank 4 would be 4·(32 + 9) = 164 numbers, only 1.76 times fewer, so
+    it goes whole (288), as tests/test_comm_hooks.py counts on real processes. The plan counts every
+    parameter so; it used to take min(n·m, r(n+m)), which a BERT of width 12 shows wrong (a 12×12 matrix at
+    rank 4: 96 numbers, 1.5 times fewer, sent whole)."""
+    import torch
+    from transformers import AutoModel, BertConfig
+    assert (powersgd_numel((32, 1, 3, 3), 4), powersgd_numel((32, 1, 3, 3), 1), powersgd_numel((128,), 4)) == (288, 41, 128)
+    config = BertConfig(vocab_size=30, hidden_size=12, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                        max_position_embeddings=16)
+    with torch.device("meta"):
+        params = list(AutoModel.from_config(config).parameters())
+    torchs_rule = sum(powersgd_numel(p.shape, 4) for p in params)
+    old_rule = sum(min(p.numel(), 4 * (p.shape[0] + p[0].numel())) if p.dim() > 1 else p.numel() for p in params)
+    assert model_of_config(config).powersgd_numel[4] == torchs_rule > old_rule
 
 
 @pytest.mark.parametrize("argv, phrase", [
