@@ -24,8 +24,12 @@ BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py"]
 # (tests/test_debugging.py runs both).
 GALLERY = sorted(f"debugging/{path.name}" for path in (ROOT / "src" / "ch4" / "debugging").glob("*.py"))
 MARK = "# STEP"
+COMPILE_LINE = "model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself"
 DELETIONS = {  # unmarked lines of the earlier script that a step deletes on purpose
-    ("mnist_3_ddp.py", "mnist_4_accelerate.py"): ["precision = resolve_precision(args.precision, device)"],
+    ("mnist_3_ddp.py", "mnist_4_accelerate.py"): ["precision = resolve_precision(args.precision, device)", COMPILE_LINE],
+    # --compile (docs/compile.md) stops at these: Lightning compiles on its own terms, a resumed run eagerly
+    ("mnist_3_ddp.py", "mnist_5_lightning.py"): ["from common.compile import add_compile_flag, compiled"],
+    ("mnist_3_ddp.py", "resume/mnist_3_ddp_resume.py"): [COMPILE_LINE],
     ("ddp.py", "nli_accelerate.py"): [
         "model = model.to(device)",
         "scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)",
