@@ -24,7 +24,7 @@ from common.compile import compiled
 from common.machine import machine_name
 from common.mnist import BasicNet
 from common.precision import auto_precision, autocast
-from style import COLORS, IMAGES, parser, plt, save
+from style import COLORS, IMAGES, parser, plt, save, stacked_milliseconds
 
 SEGMENTS = ["dropout masks", "dtype casts", "forward, the rest", "backward, the rest", "optimizer"]
 KINDS = {"dropout masks": "aten::bernoulli_", "dtype casts": "aten::_to_copy"}
@@ -97,17 +97,8 @@ def record(size: str = "default") -> dict:
 def draw(recording: dict, path) -> None:
     bars = recording["results"]
     fig, ax = plt.subplots(figsize=(11, 2.6))
-    names = list(bars)[::-1]
-    left = [0.0] * len(names)
-    for segment, color in zip(SEGMENTS, [COLORS[3], COLORS[1], COLORS[7], COLORS[0], COLORS[2]]):
-        widths = [bars[name][segment] for name in names]
-        ax.barh(names, widths, left=left, color=color, label=segment)
-        left = [a + b for a, b in zip(left, widths)]
-    for y, total in enumerate(left):
-        ax.text(total, y, f" {total:.1f} ms", va="center", fontsize=8)
-    ax.set_xlim(0, max(left) * 1.15)
-    ax.set_xlabel("milliseconds per training step (median of the profiled steps)")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    stacked_milliseconds(ax, bars, SEGMENTS, [COLORS[3], COLORS[1], COLORS[7], COLORS[0], COLORS[2]],
+                         "milliseconds per training step (median of the profiled steps)")
     ax.set_title(f"One step of mnist_1_single.py (BasicNet, batch 64, {recording['precision']}, AdamW, no data "
                  f"loading), eager and compiled:\n{recording['steps']} steps profiled, one process, "
                  f"{recording['machine']}, torch {recording['torch']}", fontsize=9)
