@@ -7,7 +7,6 @@ compare the weights within TOLERANCE. aot_eager is the backend where the lesson 
 code: it captures the same forward and backward graphs as inductor and runs them with eager kernels.
 One inductor run, on a tiny model, checks the generated code too.
 """
-import copy
 
 import pytest
 import torch
@@ -160,15 +159,17 @@ LAUNCHES = {
 
 
 # mnist_2_data_parallel.py is left out: on a CPU, DataParallel calls the module, and the run is step 1's.
+# The backend is eager (dynamo's capture, no backward graph): these runs check the flag's wiring under each
+# launcher, the cheapest way; the equality checks above are where the backends are compared.
 @pytest.mark.parametrize("launch", LAUNCHES)
 def test_mnist_scripts_train_with_compile(run_command, tiny_mnist, launch):
-    result = run_command(*LAUNCHES[launch], "--data-dir", tiny_mnist, "--compile", "aot_eager", "--dist-timeout", 60)
+    result = run_command(*LAUNCHES[launch], "--data-dir", tiny_mnist, "--compile", "eager", "--dist-timeout", 60)
     assert_ran(result, f"over {TEST_IMAGES} images")
 
 
 def test_bert_ddp_trains_with_compile(run_command, tiny_bert, nli_pairs):
     result = run_command(*TORCHRUN, "--nproc_per_node=2", CH4 / "ddp.py", "--model", tiny_bert, "--dataset", nli_pairs,
-                         "--max-steps", 2, "--batch-size", 8, "--compile", "aot_eager", "--dist-timeout", 60)
+                         "--max-steps", 1, "--batch-size", 8, "--compile", "eager", "--dist-timeout", 60)
     assert_ran(result, "eval accuracy")
 
 
