@@ -240,7 +240,7 @@ def test_bus_bandwidth_at_toy_size(four, tmp_path):
 def test_every_figure_is_committed():
     for name in ("ring_allreduce.svg", "ring_allreduce.gif", "allreduce_algorithms.svg", "overlap_timeline.png",
                  "bucket_assignment.svg", "accumulation_syncs.svg", "step_time_breakdown.png", "allreduce_busbw.png",
-                 "dp_vs_ddp.svg", "zero_stages.svg", "zero_stages.png", "ddp_step_lanes.svg", "resume_sequence.svg"):
+                 "compile_breakdown.png", "dp_vs_ddp.svg", "zero_stages.svg", "zero_stages.png", "ddp_step_lanes.svg", "resume_sequence.svg"):
         assert (ROOT / "images" / name).stat().st_size > 0, name
 
 
