@@ -25,7 +25,7 @@ from common.bucketing import linear_stack
 from common.machine import machine_name
 from common.spawn import run_in_process_group
 from overlap_timeline import CONFIGS, SIZES, step, wrap
-from style import COLORS, IMAGES, parser, plt, save
+from style import COLORS, IMAGES, parser, plt, save, stacked_milliseconds
 
 CONFIGURATIONS = {"each process alone (no communication)": "alone", **CONFIGS}
 PHASES = ["forward", "backward", "exposed communication", "optimizer"]
@@ -82,17 +82,8 @@ def averaged(recording: dict) -> dict[str, dict[str, float]]:
 def draw(recording: dict, path) -> None:
     bars = averaged(recording)
     fig, ax = plt.subplots(figsize=(11, 2.2 + 0.5 * len(bars)))
-    names = list(bars)[::-1]
-    left = [0.0] * len(names)
-    for phase, color in zip(PHASES, [COLORS[7], COLORS[0], COLORS[3], COLORS[2]]):
-        widths = [bars[name][phase] for name in names]
-        ax.barh(names, widths, left=left, color=color, label=phase)
-        left = [a + b for a, b in zip(left, widths)]
-    for y, total in enumerate(left):
-        ax.text(total, y, f" {total:.1f} ms", va="center", fontsize=8)
-    ax.set_xlim(0, max(left) * 1.15)
-    ax.set_xlabel("milliseconds per training step (median of the profiled steps, mean of the ranks)")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    stacked_milliseconds(ax, bars, PHASES, [COLORS[7], COLORS[0], COLORS[3], COLORS[2]],
+                         "milliseconds per training step (median of the profiled steps, mean of the ranks)")
     size = recording["size"]
     ax.set_title(f"Where a step's time goes, from torch.profiler events: {recording['world_size']} gloo processes, "
                  f"{size['layers']} x Linear({size['width']}, {size['width']}),\nbatch {size['batch']} each, "

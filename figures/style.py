@@ -40,3 +40,19 @@ def parser(doc: str, default: Path, toy: bool = False) -> argparse.ArgumentParse
     if toy:
         parser.add_argument("--toy", action="store_true", help="the small size the tests run, in seconds")
     return parser
+
+
+def stacked_milliseconds(ax, bars: dict[str, dict[str, float]], segments: list[str], colors: list[str], xlabel: str) -> None:
+    """One horizontal bar per name (the first on top), its segments stacked left to right, its total written
+    at its end; for the profiled step breakdowns."""
+    names = list(bars)[::-1]
+    left = [0.0] * len(names)
+    for segment, color in zip(segments, colors):
+        widths = [bars[name][segment] for name in names]
+        ax.barh(names, widths, left=left, color=color, label=segment)
+        left = [a + b for a, b in zip(left, widths)]
+    for y, total in enumerate(left):
+        ax.text(total, y, f" {total:.1f} ms", va="center", fontsize=8)
+    ax.set_xlim(0, max(left) * 1.15)
+    ax.set_xlabel(xlabel)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)

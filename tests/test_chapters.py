@@ -27,8 +27,12 @@ BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py"]
 # (tests/test_debugging.py runs both).
 GALLERY = sorted(f"debugging/{path.name}" for path in (ROOT / "src" / "ch4" / "debugging").glob("*.py"))
 MARK = "# STEP"
+COMPILE_LINE = "model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself"
 DELETIONS = {  # unmarked lines of the earlier script that a step deletes on purpose
-    ("mnist_3_ddp.py", "mnist_4_accelerate.py"): ["precision = resolve_precision(args.precision, device)"],
+    ("mnist_3_ddp.py", "mnist_4_accelerate.py"): ["precision = resolve_precision(args.precision, device)", COMPILE_LINE],
+    # --compile (docs/compile.md) stops at these: Lightning compiles on its own terms, a resumed run eagerly
+    ("mnist_3_ddp.py", "mnist_5_lightning.py"): ["from common.compile import add_compile_flag, compiled"],
+    ("mnist_3_ddp.py", "resume/mnist_3_ddp_resume.py"): [COMPILE_LINE],
     ("ddp.py", "nli_accelerate.py"): [
         "model = model.to(device)",
         "scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)",
@@ -155,7 +159,8 @@ def test_the_readme_is_a_map():
 
 # ---- the change shown inline on each chapter page is the script's own text ----
 
-CHAPTER_PAGES = ["mnist.md", "bert.md", "inside_ddp.md", "resume.md", "sharded.md", "lightning.md", "scale_out.md"]
+CHAPTER_PAGES = ["mnist.md", "bert.md", "inside_ddp.md", "resume.md", "sharded.md", "lightning.md", "scale_out.md",
+                 "compile.md"]
 EXCERPT = re.compile(r"^```python from=(\S+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 GAP = "..."  # a line of its own in an excerpt: lines of the script left out here
 

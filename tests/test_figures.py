@@ -22,6 +22,7 @@ import accumulation_syncs  # noqa: E402
 import allreduce_algorithms  # noqa: E402
 import allreduce_speed  # noqa: E402
 import bucket_assignment  # noqa: E402
+import compile_breakdown  # noqa: E402
 import ddp_step_lanes  # noqa: E402
 import dp_vs_ddp  # noqa: E402
 import hsdp_mesh  # noqa: E402
@@ -216,6 +217,17 @@ def test_step_time_breakdown_at_toy_size(two, tmp_path):
     assert (tmp_path / "breakdown.png").stat().st_size > 0
 
 
+def test_compile_breakdown_at_toy_size(tmp_path):
+    recording = compile_breakdown.record("toy")
+    assert list(recording["results"]) == ["eager", "compiled (aot_eager)"]
+    for segments in recording["results"].values():
+        assert list(segments) == compile_breakdown.SEGMENTS
+        assert segments["forward, the rest"] > 0 and segments["backward, the rest"] > 0 and segments["optimizer"] > 0
+    assert recording["results"]["eager"]["dropout masks"] > 0  # BasicNet trains with dropout: eager draws masks
+    compile_breakdown.draw(recording, tmp_path / "compile.png")
+    assert (tmp_path / "compile.png").stat().st_size > 0
+
+
 def test_bus_bandwidth_at_toy_size(four, tmp_path):
     rows = four["busbw"]
     assert all(exact for *_, exact in rows)
@@ -229,8 +241,8 @@ def test_bus_bandwidth_at_toy_size(four, tmp_path):
 def test_every_figure_is_committed():
     for name in ("ring_allreduce.svg", "ring_allreduce.gif", "allreduce_algorithms.svg", "overlap_timeline.png",
                  "bucket_assignment.svg", "accumulation_syncs.svg", "step_time_breakdown.png", "allreduce_busbw.png",
-                 "dp_vs_ddp.svg", "zero_stages.svg", "zero_stages.png", "ddp_step_lanes.svg", "resume_sequence.svg",
-                 "hsdp_mesh.svg"):
+                 "compile_breakdown.png", "dp_vs_ddp.svg", "zero_stages.svg", "zero_stages.png", "ddp_step_lanes.svg",
+                 "resume_sequence.svg", "hsdp_mesh.svg"):
         assert (ROOT / "images" / name).stat().st_size > 0, name
 
 

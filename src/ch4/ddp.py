@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from common.cli import per_process_batch  # STEP
+from common.compile import add_compile_flag, compiled  # STEP
 from common.distributed import device_for, init_process_group, print0, require_launcher  # STEP
 from common.gather import sum_across_ranks  # STEP
 from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
@@ -89,6 +90,7 @@ def main(args):
 
     model = model.to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # STEP: all-reduce gradients in backward
+    model = compiled(model, args.compile)  # STEP: --compile, after the wrap: one graph per gradient bucket
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     total_steps = min(args.max_steps or float("inf"), args.epochs * len(train_loader))
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)
@@ -117,4 +119,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(nli_parser(__doc__).parse_args())
+    main(add_compile_flag(nli_parser(__doc__)).parse_args())  # STEP: --compile [BACKEND]

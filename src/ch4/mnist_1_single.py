@@ -8,6 +8,7 @@ Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR read
     python src/ch4/mnist_1_single.py                     # the first GPU if there is one, else the CPU
     python src/ch4/mnist_1_single.py --precision bf16    # bf16 autocast
     python src/ch4/mnist_1_single.py --loader classic    # per-sample PIL transforms, as in most tutorials
+    python src/ch4/mnist_1_single.py --compile           # torch.compile (inductor): see docs/compile.md
 
 Each later step marks the lines it changes with `# STEP`: `grep -rn "# STEP" src/ch4`.
 """
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.data import RandomSampler, SequentialSampler
 
 from common.cli import mnist_parser
+from common.compile import add_compile_flag, compiled
 from common.distributed import device_for, print0
 from common.mnist import BasicNet, load_mnist, make_loader
 from common.precision import autocast, grad_scaler, resolve_precision
@@ -56,7 +58,7 @@ def evaluate(model, loader, device, precision):
 
 
 def main():
-    args = mnist_parser(__doc__).parse_args()
+    args = add_compile_flag(mnist_parser(__doc__)).parse_args()
 
     device = device_for()
     precision = resolve_precision(args.precision, device)
@@ -69,6 +71,7 @@ def main():
     test_loader = make_loader(test_set, args.eval_batch_size, SequentialSampler(test_set), args.num_workers)
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
+    model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 

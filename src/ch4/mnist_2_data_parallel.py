@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.utils.data import RandomSampler, SequentialSampler
 
 from common.cli import mnist_parser
+from common.compile import add_compile_flag, compiled
 from common.distributed import device_for, print0
 from common.mnist import BasicNet, load_mnist, make_loader
 from common.precision import Autocast, autocast, grad_scaler, resolve_precision  # STEP
@@ -60,7 +61,7 @@ def evaluate(model, loader, device, precision):
 
 
 def main():
-    args = mnist_parser(__doc__).parse_args()
+    args = add_compile_flag(mnist_parser(__doc__)).parse_args()
 
     device = device_for()
     precision = resolve_precision(args.precision, device)
@@ -76,6 +77,7 @@ def main():
     # STEP: replicate over all visible GPUs (on the CPU it just calls the module). Each replica runs in its own
     # STEP: thread, and autocast is per thread: Autocast enters it inside every replica's forward
     model = nn.DataParallel(Autocast(model, device, precision))  # STEP
+    model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # STEP
 from torch.utils.data.distributed import DistributedSampler  # STEP
 
 from common.cli import mnist_parser
+from common.compile import add_compile_flag, compiled
 from common.cli import per_process_batch  # STEP
 from common.distributed import device_for, init_process_group, print0, require_launcher  # STEP
 from common.gather import sum_across_ranks  # STEP
@@ -69,7 +70,7 @@ def evaluate(model, loader, device, precision):
 
 
 def main():
-    args = mnist_parser(__doc__).parse_args()
+    args = add_compile_flag(mnist_parser(__doc__)).parse_args()
 
     launch = require_launcher("src/ch4/mnist_3_ddp.py")  # STEP: rank, local rank, world size from torchrun or srun
     device = device_for(launch)  # STEP: cuda:LOCAL_RANK, never the global rank; one GPU per process
@@ -85,6 +86,7 @@ def main():
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # STEP: all-reduce gradients in backward
+    model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 

@@ -27,6 +27,7 @@ from accelerate import Accelerator  # STEP
 from torch.utils.data import RandomSampler, SequentialSampler  # STEP
 
 from common.cli import mnist_parser
+from common.compile import add_compile_flag, compiled
 from common.cli import per_process_batch
 from common.distributed import detect_launch, device_for, print0  # STEP
 from common.gather import sum_across_ranks
@@ -65,7 +66,7 @@ def evaluate(model, loader, accelerator, device):  # STEP
 
 
 def main():
-    args = mnist_parser(__doc__).parse_args()
+    args = add_compile_flag(mnist_parser(__doc__)).parse_args()
 
     # STEP: cpu=True without GPUs, or N launched processes would each train alone instead of forming a gloo group
     # STEP: device_for stops with one sentence if this node has more processes than GPUs
@@ -82,6 +83,7 @@ def main():
     model = BasicNet().to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)  # STEP
+    model = compiled(model, args.compile)  # STEP: after prepare(), which wrapped the model in DDP
 
     print0(f"{accelerator.num_processes} processes on {device.type}, {accelerator.mixed_precision}, global batch {args.batch_size} = {accelerator.num_processes} x {batch_size}")  # STEP
     train_seconds = 0.0

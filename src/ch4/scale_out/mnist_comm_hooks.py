@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 from common.cli import add_comm_hook_flags, mnist_parser  # STEP
+from common.compile import add_compile_flag, compiled
 from common.cli import per_process_batch
 from common.comm_hooks import AllReduceCounter, bucket_cap_mb, bytes_report, register_comm_hook  # STEP
 from common.distributed import device_for, init_process_group, print0, require_launcher
@@ -71,7 +72,7 @@ def evaluate(model, loader, device, precision):
 
 
 def main():
-    args = add_comm_hook_flags(mnist_parser(__doc__)).parse_args()  # STEP: --comm-hook, --powersgd-rank
+    args = add_comm_hook_flags(add_compile_flag(mnist_parser(__doc__))).parse_args()  # STEP: --comm-hook, --powersgd-rank
 
     launch = require_launcher("src/ch4/scale_out/mnist_comm_hooks.py")  # STEP: its own name in the message
     device = device_for(launch)
@@ -89,6 +90,7 @@ def main():
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,  # STEP
                 bucket_cap_mb=bucket_cap_mb(args.comm_hook, model))  # STEP: PowerSGD on gloo needs one bucket
     register_comm_hook(model, args.comm_hook, args.powersgd_rank)  # STEP: DDP hands each gradient bucket to the hook
+    model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 

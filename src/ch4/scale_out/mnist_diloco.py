@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 
 from common.cli import add_local_sgd_flags, mnist_parser  # STEP
+from common.compile import add_compile_flag, compiled
 from common.cli import per_process_batch
 from common.comm_hooks import AllReduceCounter, bytes_report  # STEP
 from common.distributed import device_for, init_process_group, print0, require_launcher
@@ -74,7 +75,7 @@ def evaluate(model, loader, device, precision):
 
 
 def main():
-    args = add_local_sgd_flags(mnist_parser(__doc__)).parse_args()  # STEP: --sync-every, --outer-lr, --outer-momentum
+    args = add_local_sgd_flags(add_compile_flag(mnist_parser(__doc__))).parse_args()  # STEP: --sync-every, --outer-lr, --outer-momentum
 
     launch = require_launcher("src/ch4/scale_out/mnist_diloco.py")  # STEP: its own name in the message
     device = device_for(launch)
@@ -90,6 +91,7 @@ def main():
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
     outer = OuterOptimizer(model, args.sync_every, args.outer_lr, args.outer_momentum)  # STEP: broadcasts rank 0's weights
+    model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 

@@ -46,6 +46,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common.cli import mesh_shape, positive_int  # STEP
 from common.cli import mnist_parser
+from common.compile import add_compile_flag, compile_in_place
 from common.cli import per_process_batch
 from common.distributed import device_for, init_process_group, print0, require_launcher
 from common.distributed import exit_process
@@ -58,10 +59,11 @@ from common.samplers import DistributedEvalSampler
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # STEP
 
 
-def shard(model, mesh, policy):  # STEP
+def shard(model, mesh, policy, backend=None):  # STEP
     """fully_shard each layer, then the model: on a 2-D mesh, cut along "shard" and copied along "replicate"."""  # STEP
     for layer in (model.conv1, model.conv2, model.fc1, model.fc2):  # STEP: one all-gather per layer, then freed
         fully_shard(layer, mesh=mesh, mp_policy=policy)  # STEP
+        compile_in_place(layer, backend)  # STEP: --compile: each block alone, as in mnist_fsdp.py
     fully_shard(model, mesh=mesh, mp_policy=policy)  # STEP: the root, which owns no parameters here
     return model  # STEP
 
@@ -100,7 +102,7 @@ def evaluate(model, loader, device, precision, unpadded):
 
 
 def main():
-    parser = mnist_parser(__doc__)  # STEP
+    parser = add_compile_flag(mnist_parser(__doc__))  # STEP
     parser.add_argument("--replicas", type=positive_int, default=None,  # STEP
                         help="R, the mesh's first dimension: R replicas of S = N/R shards each "  # STEP
                              "(default: the number of nodes, WORLD_SIZE / LOCAL_WORLD_SIZE)")  # STEP
@@ -128,7 +130,7 @@ def main():
         dist.broadcast(tensor, src=0)
     mesh = init_device_mesh(device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))  # STEP: rank r at (r // S, r % S)
     policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[args.param_dtype], reduce_dtype=torch.float32)  # STEP
-    shard(model, mesh, policy)  # STEP: model.parameters() are now this rank's pieces
+    shard(model, mesh, policy, args.compile)  # STEP: model.parameters() are now this rank's pieces
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 

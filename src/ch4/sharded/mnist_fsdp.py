@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 
 from common.cli import mnist_parser
+from common.compile import add_compile_flag, compile_in_place  # STEP
 from common.cli import per_process_batch
 from common.distributed import device_for, init_process_group, print0, require_launcher
 from common.distributed import exit_process  # STEP
@@ -75,7 +76,7 @@ def evaluate(model, loader, device, precision, unpadded):  # STEP
 
 
 def main():
-    args = mnist_parser(__doc__).parse_args()
+    args = add_compile_flag(mnist_parser(__doc__)).parse_args()
 
     launch = require_launcher("src/ch4/sharded/mnist_fsdp.py")  # STEP
     device = device_for(launch)
@@ -95,6 +96,7 @@ def main():
         dist.broadcast(tensor, src=0)  # STEP
     for layer in (model.conv1, model.conv2, model.fc1, model.fc2):  # STEP: one all-gather per layer, then freed
         fully_shard(layer)  # STEP
+        compile_in_place(layer, args.compile)  # STEP: each block compiled alone; FSDP2's hooks run eagerly between them
     fully_shard(model)  # STEP: the root, which owns no parameters here; model.parameters() are now this rank's pieces
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)

@@ -131,4 +131,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(nli_parser(__doc__).parse_args())
+    main(nli_parser(__doc__).parse_args())  # STEP: no --compile here; mnist_fsdp.py compiles per block

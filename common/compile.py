@@ -1,0 +1,50 @@
+"""torch.compile as one flag, --compile [BACKEND], and one sentence where it cannot work.
+
+The scripts compile after the DDP wrap: dynamo then sees DDP and splits the captured graph at DDP's
+bucket boundaries (torch/_dynamo/backends/distributed.py, DDPOptimizer), so that each bucket's
+all-reduce can still start while the backward of the earlier layers runs. Compiled before the wrap,
+DDP would see one opaque module whose gradients all arrive at the end of one compiled backward.
+"""
+import argparse
+import shutil
+import sys
+
+import torch
+
+BACKENDS = ("inductor", "aot_eager", "eager")
+COMPILERS = ("g++", "clang++", "c++")  # what inductor's C++ builder looks for on the PATH
+
+
+def add_compile_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--compile", nargs="?", const="inductor", choices=BACKENDS, metavar="BACKEND",
+                        help="torch.compile the model with BACKEND: inductor (the default: generated, fused C++ or "
+                             "Triton kernels; needs a C++ compiler), aot_eager (the same captured forward and backward "
+                             "graphs, run by eager kernels: the lesson without the code generation), eager (the "
+                             "captured forward only); without the flag the model runs eagerly")
+    return parser
+
+
+def check_backend(backend: str) -> None:
+    """Stop with one sentence and the way out where torch.compile cannot work on this machine."""
+    if not torch._dynamo.is_dynamo_supported():
+        sys.exit(f"error: torch {torch.__version__} cannot compile on this Python or platform; "
+                 "leave out --compile (the model runs eagerly, with the same results).")
+    if backend == "inductor" and not any(shutil.which(name) for name in COMPILERS):
+        sys.exit("error: --compile inductor generates C++ and needs a C++ compiler (g++ or clang++) on the PATH; "
+                 "install one (e.g. apt install g++), or pass --compile aot_eager, or leave out --compile.")
+
+
+def compiled(module: torch.nn.Module, backend: str | None) -> torch.nn.Module:
+    """torch.compile(module) with this backend; the module itself where backend is None (no --compile)."""
+    if backend is None:
+        return module
+    check_backend(backend)
+    return torch.compile(module, backend=backend)
+
+
+def compile_in_place(module: torch.nn.Module, backend: str | None) -> None:
+    """Module.compile(): the module stays the same object (and keeps FSDP2's hooks, which run eagerly,
+    between the compiled forwards); nothing where backend is None."""
+    if backend is not None:
+        check_backend(backend)
+        module.compile(backend=backend)
