@@ -29,14 +29,26 @@ GALLERY = sorted(f"debugging/{path.name}" for path in (ROOT / "src" / "ch4" / "d
 MARK = "# STEP"
 COMPILE_LINE = "model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself"
 DELETIONS = {  # unmarked lines of the earlier script that a step deletes on purpose
-    ("mnist_3_ddp.py", "mnist_4_accelerate.py"): ["precision = resolve_precision(args.precision, device)", COMPILE_LINE],
-    # --compile (docs/compile.md) stops at these: Lightning compiles on its own terms, a resumed run eagerly
-    ("mnist_3_ddp.py", "mnist_5_lightning.py"): ["from common.compile import add_compile_flag, compiled"],
+    # Accelerate casts (mixed_precision) and scales the loss itself: the autocast block and the scaler go
+    ("mnist_3_ddp.py", "mnist_4_accelerate.py"): ["precision = resolve_precision(args.precision, device)", COMPILE_LINE,
+                                                  "with autocast(device, precision):", "scaler.update()"],
+    # Lightning's Trainer runs the loop, the optimizer step and the precision; --compile (docs/compile.md)
+    # stops at Lightning, which compiles on its own terms, and at the resumed run, which runs eagerly
+    ("mnist_3_ddp.py", "mnist_5_lightning.py"): [
+        "from common.compile import add_compile_flag, compiled", COMPILE_LINE,
+        "loss_sum = torch.zeros((), device=device)", "loss = F.nll_loss(model(images), labels)",
+        "optimizer.zero_grad(set_to_none=True)", "scaler.scale(loss).backward()", "scaler.step(optimizer)",
+        "scaler.update()", "loss_sum += loss.detach()", "return loss_sum.item() / len(loader)",
+        "optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)", "scaler = grad_scaler(device, precision)",
+        "for epoch in range(args.epochs):", "start = time.perf_counter()",
+        "train_seconds += time.perf_counter() - start", 'print0(f"epoch {epoch}: mean training loss {loss:.4f}")'],
     ("mnist_3_ddp.py", "resume/mnist_3_ddp_resume.py"): [COMPILE_LINE],
     ("ddp.py", "nli_accelerate.py"): [
         "model = model.to(device)",
         "scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)",
-        "scaler = grad_scaler(device, precision)"],
+        "scaler = grad_scaler(device, precision)", "precision = resolve_precision(args.precision, device)",
+        "with autocast(device, precision):",
+        "if optimizer_step(optimizer, scaler):  # False where fp16 loss scaling skipped the step"],
 }
 
 
@@ -64,7 +76,20 @@ def changes(before, after):
         (kept if tag == "equal" else added).extend(after[j1:j2])
         if tag == "delete":
             deleted.extend(before[i1:i2])
+        elif tag == "replace":
+            deleted.extend(unreplaced(before[i1:i2], after[j1:j2]))
     return added, kept, deleted
+
+
+def unreplaced(old, new):
+    """The old lines of a replaced block that no new line stands for: each new line replaces the old line
+    most like it, so five lines replaced by one marked line delete four."""
+    left = list(old)
+    for line in new:
+        if left:
+            left.remove(max(left, key=lambda candidate: difflib.SequenceMatcher(
+                a=without_mark(candidate).strip(), b=without_mark(line).strip()).ratio()))
+    return left
 
 
 def unexplained_deletions(before_name, deleted):
@@ -110,6 +135,14 @@ def test_the_check_above_catches_a_silent_deletion():
     after = [line for line in code_lines("mnist_4_accelerate.py") if line.strip() != "model.eval()"]
     _, _, deleted = changes(before, after)
     assert unexplained_deletions(("mnist_3_ddp.py", "mnist_4_accelerate.py"), deleted) == ["    model.eval()"]
+
+
+def test_the_check_above_catches_a_deletion_inside_a_replaced_block():
+    """Four unmarked lines replaced by one marked line: the three it does not stand for are deletions."""
+    before = ["x = load()", "x = clean(x)", "x = check(x)", "model.eval()", "run(x)"]
+    after = ["x = load_and_check()  # STEP", "run(x)"]
+    _, _, deleted = changes(before, after)
+    assert len(deleted) == 3 and "model.eval()" in deleted
 
 
 PATH = re.compile(r"(?<![\w/.-])((?:src|benchmarks|slurm|notebooks|images|figures|tests|common|docs|tools|\.ci)/[\w./-]*\w)")
