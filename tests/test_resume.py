@@ -166,13 +166,12 @@ def test_checkpoint_of_another_run_is_refused(uninterrupted, tiny_mnist, tmp_pat
     assert "start afresh with another --checkpoint-dir" in result.stderr
 
 
-@pytest.mark.parametrize("precision", ["fp32", "auto"])
-def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path, precision):
+def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path):
     """The tiny BERT: dropout in every layer and a linear schedule; 2 epochs of 10 steps, killed after 14.
-    In the default precision too (bf16 where the CPU has it): autocast's casts are nodes of the graph
-    whose gradient order DDP records, so the resumed buckets are rebuilt under the same autocast. The fp32
-    run's checkpoint is also refused in bf16, and resumed at 1 process (resaved_at_1)."""
-    data, precision = (tiny_bert, nli_pairs), ["--precision", precision]
+    Under bf16 autocast: its casts are nodes of the graph whose gradient order DDP records, so the resumed
+    buckets are rebuilt under the same autocast. The checkpoint is also refused in fp32, and resumed at 1
+    process (resaved_at_1)."""
+    data, precision = (tiny_bert, nli_pairs), ["--precision", "bf16"]
     uninterrupted, killed = tmp_path / "uninterrupted", tmp_path / "killed"
     assert_ran(run(uninterrupted, data, "none", 3, *precision, script="ddp_resume.py"), "over 13 pairs")
     result = run(killed, data, "kill-rank1-after-step14", 3, *precision, script="ddp_resume.py")
@@ -180,19 +179,18 @@ def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path, precisi
     assert bitwise_equal(final_state(killed), final_state(uninterrupted))
     schedule = torch.load(killed / "step-00000020.pt", weights_only=True)["scheduler"]
     assert schedule["last_epoch"] == 20 and schedule["_last_lr"] == [0.0]  # the decay went on from step 12, to its end
-    if precision == ["--precision", "fp32"]:
-        refused = run(uninterrupted, data, "none", 3, "--precision", "bf16", restarts=0, script="ddp_resume.py")
-        assert refused.returncode != 0 and "(precision fp32 there, bf16 here)" in refused.stderr, refused.stderr[-3000:]
-        resaved_at_1(uninterrupted / "step-00000020.pt", tmp_path / "at-1", data)
+    refused = run(uninterrupted, data, "none", 3, "--precision", "fp32", restarts=0, script="ddp_resume.py")
+    assert refused.returncode != 0 and "(precision bf16 there, fp32 here)" in refused.stderr, refused.stderr[-3000:]
+    resaved_at_1(uninterrupted / "step-00000020.pt", tmp_path / "at-1", data, precision)
 
 
-def resaved_at_1(checkpoint, folder, data):
+def resaved_at_1(checkpoint, folder, data, precision):
     """A finished 3-process BERT checkpoint resumed at 1 process (the global batch of 12 divides): nothing
     left to train, so the run saves what it loaded, and the weights, AdamW, the schedule (its step and
     learning rate) and the loss scaler are the checkpoint's, tensor for tensor."""
     folder.mkdir()
     shutil.copy(checkpoint, folder)
-    assert_ran(run(folder, data, "none", 1, "--precision", "fp32", restarts=0, script="ddp_resume.py"),
+    assert_ran(run(folder, data, "none", 1, *precision, restarts=0, script="ddp_resume.py"),
                "written by 3 processes, continued by 1")
     written_by_3, written_by_1 = torch.load(checkpoint, weights_only=True), torch.load(folder / checkpoint.name, weights_only=True)
     assert (written_by_3["world_size"], written_by_1["world_size"]) == (3, 1)
