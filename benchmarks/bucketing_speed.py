@@ -3,7 +3,8 @@
 Compares BucketedDataParallel (common/bucketing.py) at several bucket_cap_mb values, including one
 bucket all-reduced after backward (no overlap), with torch's DistributedDataParallel. The model is a
 stack of equal linear layers, so the gradients arrive in even steps through backward and overlap has
-something to hide. Each configuration runs in fresh processes; the table shows the median step.
+something to hide. The configurations run one after the other in the same processes, each on a fresh
+model after 3 warm-up steps; the table shows the median step.
 
     python benchmarks/bucketing_speed.py --plot images/bucketing_cpu.png
 """
@@ -24,7 +25,11 @@ CONFIGS = [("ours, one bucket after backward", None), ("ours, 1 MB buckets", 1),
            ("ours, 16 MB buckets", 16), ("ours, 25 MB buckets", 25), ("torch DDP, bucket_cap_mb=25", "ddp")]
 
 
-def worker(rank, world_size, bucket_cap_mb, layers, width, batch, steps):
+def every_config(rank, world_size, layers, width, batch, steps):
+    return {name: time_config(cap, layers, width, batch, steps) for name, cap in CONFIGS}
+
+
+def time_config(bucket_cap_mb, layers, width, batch, steps):
     torch.manual_seed(0)
     module = linear_stack(layers, width)
     model = DDP(module) if bucket_cap_mb == "ddp" else BucketedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
@@ -63,8 +68,7 @@ def main():
     gradient_mb = args.layers * (args.width + 1) * args.width * 4 / 2**20
     print(f"{args.layers} x Linear({args.width}, {args.width}): {gradient_mb:.0f} MB of gradients, "
           f"{args.nproc} processes, batch {args.batch} each")
-    results = {name: run_in_process_group(worker, args.nproc, cap, args.layers, args.width, args.batch, args.steps)
-               for name, cap in CONFIGS}
+    results = run_in_process_group(every_config, args.nproc, args.layers, args.width, args.batch, args.steps)
     no_overlap = results[CONFIGS[0][0]][0]
     print("| configuration | ms per step | all-reduces per step | vs one bucket after backward |\n|---|---:|---:|---:|")
     for name, (seconds, all_reduces) in results.items():

@@ -2,8 +2,8 @@
 
 Reproduces the comparison in Accelerate's "gradient synchronization" guide on this machine, with
 gloo: 2 processes, 4 micro-batches per optimizer step, the MNIST BasicNet. The variants are in
-common/accumulation.py; each runs in fresh processes, and a DDP communication hook counts the
-bucket all-reduces.
+common/accumulation.py; they run one after the other in the same processes, each on a fresh model
+after 2 warm-up steps, and a DDP communication hook counts the bucket all-reduces.
 
     python benchmarks/grad_sync.py
 """
@@ -27,7 +27,12 @@ VARIANTS = {
 }
 
 
-def worker(rank, world_size, variant, accumulation_steps, micro_batch, optimizer_steps):
+def every_variant(rank, world_size, accumulation_steps, micro_batch, optimizer_steps):
+    return {name: time_variant(rank, variant, accumulation_steps, micro_batch, optimizer_steps)
+            for name, variant in VARIANTS.items()}
+
+
+def time_variant(rank, variant, accumulation_steps, micro_batch, optimizer_steps):
     torch.manual_seed(rank)
     model = BasicNet().to(memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -65,10 +70,10 @@ def main():
     print(f"{args.nproc} processes, {args.accumulation_steps} micro-batches of {args.micro_batch} per process "
           "per optimizer step, BasicNet (4.6 MB of gradients, MB = 2**20 bytes), gloo")
     print("| variant | s per optimizer step | all-reduces per optimizer step | vs baseline |\n|---|---:|---:|---:|")
+    results = run_in_process_group(every_variant, args.nproc, args.accumulation_steps, args.micro_batch,
+                                   args.optimizer_steps)
     baseline = None
-    for name, variant in VARIANTS.items():
-        seconds, calls = run_in_process_group(worker, args.nproc, variant, args.accumulation_steps,
-                                              args.micro_batch, args.optimizer_steps)
+    for name, (seconds, calls) in results.items():
         baseline = baseline or seconds
         print(f"| {name} | {seconds:.3f} | {calls:g} | {baseline / seconds:.2f}x |", flush=True)
 
