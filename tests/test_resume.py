@@ -6,7 +6,7 @@ the first attempt only, torchrun restarts the workers, and they resume from the 
 Three processes, not two: with two, every all-reduce sum is a + b == b + a, and a resumed DDP that
 reduces in other buckets than the run it continues (common/ddp_buckets.py) ends bitwise equal all the
 same; with three it does not. A clean resume (a finished run's checkpoint copied into a new folder)
-is checked at 2 and 4 processes too.
+is checked at 2 processes too.
 Equal means torch.equal on every tensor of the final weights and of the final optimizer state. The
 negative controls break one part of the resume (random state, data position, the buckets) and must differ.
 The FSDP2 script saves sharded checkpoints (a folder per step, every rank's pieces): its newest one
@@ -132,14 +132,13 @@ def test_resume_without_random_state_data_position_or_buckets_differs(uninterrup
     assert not bitwise_equal(final_state(tmp_path), final_state(uninterrupted))
 
 
-@pytest.mark.parametrize("processes", [2, 4])
-def test_clean_resume_is_bitwise_at_2_and_4_processes(tiny_mnist, tmp_path, processes):
+def test_clean_resume_is_bitwise_at_2_processes(tiny_mnist, tmp_path):
     """A finished run's step-8 checkpoint, alone in a new folder: the rerun ends where the run ended."""
     finished, resumed = tmp_path / "finished", tmp_path / "resumed"
-    assert_ran(run(finished, tiny_mnist, "none", processes, restarts=0), "over 101 images")
+    assert_ran(run(finished, tiny_mnist, "none", 2, restarts=0), "over 101 images")
     resumed.mkdir()
     shutil.copy(finished / "step-00000008.pt", resumed)
-    assert_ran(run(resumed, tiny_mnist, "none", processes, restarts=0), f"resumed from {resumed}/step-00000008.pt")
+    assert_ran(run(resumed, tiny_mnist, "none", 2, restarts=0), f"resumed from {resumed}/step-00000008.pt")
     assert bitwise_equal(final_state(resumed), final_state(finished))
 
 

@@ -17,11 +17,11 @@ from conftest import ROOT, TEST_IMAGES
 
 HARNESS = ROOT / "tests" / "slurm" / "local_cluster.sh"
 SKIP = 3  # the harness's exit code for "cannot start SLURM here"
-JOBS = {  # name: launcher, its options, job script, chapter script, the world size it must report
+# name: launcher, its options, job script, chapter script, the world size it must report. torchrun on
+# 2 nodes x 1 process is the salloc job's
+JOBS = {
     "torchrun, 1 node x 2 processes": ("sbatch", ["-N1", "--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=2"],
                                        "slurm/torchrun.sbatch", "src/ch4/mnist_3_ddp.py", "2 processes"),
-    "torchrun, 2 nodes x 1 process": ("sbatch", ["-N2", "--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=1"],
-                                      "slurm/torchrun.sbatch", "src/ch4/mnist_3_ddp.py", "2 processes"),
     "torchrun, 2 nodes x 2 processes": ("sbatch", ["-N2", "--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=2"],
                                         "slurm/torchrun.sbatch", "src/ch4/mnist_3_ddp.py", "4 processes"),
     "srun tasks, 2 nodes x 2 tasks": ("sbatch", ["-N2", "--ntasks-per-node=2", "--cpus-per-task=1"],
