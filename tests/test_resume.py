@@ -127,8 +127,10 @@ def test_killed_run_resumes_bitwise(uninterrupted, tiny_mnist, tmp_path, what, r
 def test_resume_without_random_state_data_position_or_buckets_differs(uninterrupted, tiny_mnist, tmp_path, broken):
     """Negative controls: the test above can fail. Without the random state the resumed ranks draw other
     dropout masks; replaying the epoch from its start trains twice on two batches; without
-    rebuild_buckets the first resumed step reduces in one bucket, where the uninterrupted run used two."""
-    assert_ran(run(tmp_path, tiny_mnist, f"kill-rank1-after-step10,{broken}"), "resumed from")
+    rebuild_buckets the first resumed step reduces in one bucket, where the uninterrupted run used two.
+    Each resumes from the step-8 checkpoint, as the killed run above does, copied alone into a new folder."""
+    shutil.copy(uninterrupted / "step-00000008.pt", tmp_path)
+    assert_ran(run(tmp_path, tiny_mnist, broken, restarts=0), f"resumed from {tmp_path}/step-00000008.pt")
     assert not bitwise_equal(final_state(tmp_path), final_state(uninterrupted))
 
 
