@@ -5,7 +5,7 @@ step of src/ch4/mnist_1_single.py without its data loader (random images of MNIS
 process. Each phase is a record_function range; inside forward and backward, the time of two kinds of
 eager operator is taken out and shown on its own, because that is what the profile of the eager step
 is made of besides the arithmetic:
-  dropout masks     aten::bernoulli_ (eager draws each mask element by element)
+  dropout masks     aten::uniform_ (torch.rand filling BasicNet's masks: common.mnist.Dropout)
   dtype casts       aten::_to_copy (autocast casting weights and activations to bf16 and back)
 Compiled, both happen inside inductor's generated kernels, fused with the arithmetic around them,
 and the two segments are (near) zero. The compile itself happens in the warm-up steps, not shown.
@@ -27,7 +27,7 @@ from common.precision import auto_precision, autocast
 from style import COLORS, IMAGES, parser, plt, save, stacked_milliseconds
 
 SEGMENTS = ["dropout masks", "dtype casts", "forward, the rest", "backward, the rest", "optimizer"]
-KINDS = {"dropout masks": "aten::bernoulli_", "dtype casts": "aten::_to_copy"}
+KINDS = {"dropout masks": "aten::uniform_", "dtype casts": "aten::_to_copy"}
 SIZES = {"default": {"warmup": 5, "steps": 20, "backend": "inductor"},
          "toy": {"warmup": 1, "steps": 2, "backend": "aot_eager"}}
 

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data.distributed import DistributedSampler
 
+from common.mnist import Dropout
+
 record = {"initial": None, "grads": None, "final": None, "indices": [], "losses": []}
 
 
@@ -76,7 +78,7 @@ if __name__ == "__main__":
     OUT_DIR = sys.argv[1]
     original_iter = DistributedSampler.__iter__
     DistributedSampler.__iter__ = recording_iter
-    nn.Dropout.forward = dropout_only_in_evaluation
+    nn.Dropout.forward = Dropout.forward = dropout_only_in_evaluation  # common.mnist.Dropout: BasicNet's
     F.nll_loss, F.cross_entropy = recording_losses(F.nll_loss), recording_losses(F.cross_entropy)
     register_optimizer_step_pre_hook(before_step)
     register_optimizer_step_post_hook(after_step)

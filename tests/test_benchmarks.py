@@ -145,3 +145,32 @@ def test_bar_labels_end_inside_the_axes():
     assert label_end > axes_end
     label_end, axes_end = right_edges(fit=True)
     assert label_end <= axes_end
+
+
+def test_basicnet_computes_the_seeds_function_at_less_cost():
+    """The chapter's BasicNet pools before its ReLU and draws dropout masks with torch.rand; the reference's
+    SeedNet keeps the seed's order and nn.Dropout. Without dropout (eval mode) both give the same outputs
+    and gradients, bit for bit; in training, the mask keeps each element with probability 1 - p and scales
+    it by 1 / (1 - p), as nn.Dropout does, and a seeded run draws it again."""
+    import torch
+    import torch.nn.functional as F
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from reference_mnist import SeedNet
+
+    from common.mnist import BasicNet, Dropout
+    images, labels = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    grads = []
+    for model in (BasicNet(), SeedNet()):
+        torch.manual_seed(0)
+        model.load_state_dict(BasicNet().state_dict())
+        F.nll_loss(model.eval()(images), labels).backward()
+        grads.append([model(images), *(p.grad for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+    dropout, ones = Dropout(0.25), torch.ones(1_000_000)
+    torch.manual_seed(1)
+    masked = dropout(ones)
+    assert set(masked.unique().tolist()) == {0.0, torch.tensor(1 / 0.75).item()} and abs((masked > 0).float().mean() - 0.75) < 0.005
+    torch.manual_seed(1)
+    assert torch.equal(dropout(ones), masked)
+    assert torch.equal(dropout.eval()(ones), ones)
