@@ -101,14 +101,16 @@ def plot(rows: list[tuple], path: str, title: str) -> None:
             same_model.setdefault(round(model[name] / 1e9, 9), []).append(name.split(" ")[0])
         for value, names in same_model.items():
             ax.annotate("model: " + ", ".join(names), (sizes[0], value), xytext=(0, 2), textcoords="offset points",
-                        fontsize=7, va="bottom")
+                        fontsize=7, va="bottom", bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0, "pad": 1})
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [human(s) for s in sizes], rotation=45)
         ax.set_title(f"{world_size} processes", fontsize=9)
         ax.set_xlabel("tensor size S")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("bus bandwidth 2(N-1)/N·S/t, GB/s")
-    axes[0][-1].legend(fontsize=8, title="measured (dashed: cost model)", title_fontsize=8)
+    # beside the panels, not over them: the model lines' labels sit at the panels' upper left
+    axes[0][-1].legend(fontsize=8, title="measured (dashed: cost model)", title_fontsize=8, loc="upper left",
+                       bbox_to_anchor=(1.02, 1))
     finish(fig, path, title)
 
 
