@@ -4,6 +4,8 @@ The test set has 101 images, which divides by neither 2 nor 3 processes: every r
 an accuracy over exactly 101 images. The runs under torchrun and accelerate launch, 2 and 3 processes,
 are in test_lessons.py, which also checks what they compute.
 """
+import shutil
+
 import pytest
 
 from conftest import PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_clear_error, assert_ran
@@ -67,6 +69,16 @@ def test_lightning_devices_that_differ_from_torchrun(run_command, tiny_mnist):
 def test_missing_dataset_offline(run_command, tmp_path):
     result = run_command(PYTHON, CH4 / "mnist_1_single.py", "--data-dir", tmp_path / "nothing-here")
     assert_clear_error(result, "MNIST is not in", "pass --data-dir")
+
+
+def test_a_file_that_is_not_mnist_is_one_sentence(tiny_mnist, tmp_path):
+    """The idx files are read without torchvision: a file of another format stops with what to pass."""
+    from common.mnist import load_mnist
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny_mnist, folder)
+    (folder / "MNIST" / "raw" / "train-images-idx3-ubyte").write_bytes(b"<html>not found</html>")
+    with pytest.raises(SystemExit, match="is not an MNIST idx file of unsigned bytes; pass --data-dir"):
+        load_mnist(str(folder))
 
 
 def test_missing_dataset_under_torchrun(run_command, tmp_path):
