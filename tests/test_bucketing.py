@@ -1,6 +1,7 @@
 """BucketedDataParallel leaves the same gradients as torch's DistributedDataParallel."""
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -33,9 +34,11 @@ def largest_difference_from_ddp(rank, bucket_cap_mb):
     ours = BucketedDataParallel(BasicNet(), bucket_cap_mb=bucket_cap_mb)
     torch.manual_seed(rank)
     reference = DDP(BasicNet())
-    differences = [((got - want).abs() - 1e-5 * want.abs()).max().item()
-                   for got, want in zip(gradients(ours, rank), gradients(reference, rank))]
-    return max(differences), len(ours.buckets)
+    differences = torch.stack([((got - want).abs() - 1e-5 * want.abs()).max()
+                               for got, want in zip(gradients(ours, rank), gradients(reference, rank))])
+    largest = differences.max()
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # every rank's gradients checked, not rank 0's alone
+    return largest.item(), len(ours.buckets)
 
 
 def bucket_order(rank):
@@ -59,13 +62,13 @@ def forgot_backward():
         return str(error)
 
 
+BUCKETS = {0.5: 3, 25: 1, None: 1}  # bucket_cap_mb: the buckets BasicNet's parameters fill
+
+
 def every_check(rank, world_size):
     """All checks in one group of 3 processes (3, not 2: with two, a + b == b + a hides the order of sums)."""
     return {"order": bucket_order(rank), "forgot": forgot_backward(),
-            **{cap: largest_difference_from_ddp(rank, cap) for cap in CAPS}}
-
-
-CAPS = [0.5, 25, None]
+            **{cap: largest_difference_from_ddp(rank, cap) for cap in BUCKETS}}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +80,7 @@ def test_buckets_follow_backward_and_launch_in_order(checks):
     assert checks["order"] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("bucket_cap_mb, buckets", [(0.5, 3), (25, 1), (None, 1)])
+@pytest.mark.parametrize("bucket_cap_mb, buckets", BUCKETS.items())
 def test_gradients_equal_ddp(checks, bucket_cap_mb, buckets):
     """0.5 MB: fc2 and fc1's bias, fc1's weight alone, then the convolutions; 25 MB and None: one bucket."""
     difference, made = checks[bucket_cap_mb]
