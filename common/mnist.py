@@ -64,11 +64,11 @@ def read_idx(path: Path) -> torch.Tensor:
     """An idx file of unsigned bytes: a zero word, the type byte 0x08, the rank, each dimension (big-endian
     32-bit), then the values."""
     data = path.read_bytes()
-    if data[:3] != b"\x00\x00\x08":
-        sys.exit(f"error: {path} is not an MNIST idx file of unsigned bytes; pass --data-dir with a folder that "
-                 f"holds MNIST/raw/*-ubyte as yann.lecun.com's files unpack.")
-    rank = data[3]
-    shape = np.frombuffer(data, dtype=">u4", count=rank, offset=4)
+    rank = data[3] if len(data) > 3 else 0
+    shape = np.frombuffer(data, dtype=">u4", count=rank, offset=4) if len(data) >= 4 + 4 * rank else None
+    if data[:3] != b"\x00\x00\x08" or shape is None or len(data) != 4 + 4 * rank + int(np.prod(shape)):
+        sys.exit(f"error: {path} is not a whole MNIST idx file of unsigned bytes; pass --data-dir with a folder "
+                 f"that holds MNIST/raw/*-ubyte as yann.lecun.com's files unpack.")
     return torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * rank).reshape(shape).copy())
 
 

@@ -72,13 +72,16 @@ def test_missing_dataset_offline(run_command, tmp_path):
 
 
 def test_a_file_that_is_not_mnist_is_one_sentence(tiny_mnist, tmp_path):
-    """The idx files are read without torchvision: a file of another format stops with what to pass."""
+    """The idx files are read without torchvision: a file of another format, or one cut short, stops with
+    what to pass."""
     from common.mnist import load_mnist
     folder = tmp_path / "copy"
     shutil.copytree(tiny_mnist, folder)
-    (folder / "MNIST" / "raw" / "train-images-idx3-ubyte").write_bytes(b"<html>not found</html>")
-    with pytest.raises(SystemExit, match="is not an MNIST idx file of unsigned bytes; pass --data-dir"):
-        load_mnist(str(folder))
+    images = folder / "MNIST" / "raw" / "train-images-idx3-ubyte"
+    for broken in (b"<html>not found</html>", images.read_bytes()[:-1]):  # another format; cut short
+        images.write_bytes(broken)
+        with pytest.raises(SystemExit, match="is not a whole MNIST idx file of unsigned bytes; pass --data-dir"):
+            load_mnist(str(folder))
 
 
 def test_missing_dataset_under_torchrun(run_command, tmp_path):
