@@ -56,8 +56,10 @@ class GPU:
     memory_bytes: float
 
 
-GPUS = {  # NVIDIA datasheets: H100 SXM5 (2023), A100 SXM4 80GB (2021), V100 SXM2 (2020, fp16: no bf16), L4 (2023)
+GPUS = {  # NVIDIA datasheets: H100 SXM5 (2023), H200 SXM (2024), A100 SXM4 80GB (2021), V100 SXM2 (2020, fp16: no
+    # bf16), L4 (2023)
     "H100": GPU("H100 SXM 80GB", 989e12, 67e12, 80e9),
+    "H200": GPU("H200 SXM 141GB", 989e12, 67e12, 141e9),
     "A100": GPU("A100 SXM 80GB", 312e12, 19.5e12, 80e9),
     "V100": GPU("V100 SXM2 32GB", 125e12, 15.7e12, 32e9),
     "L4": GPU("L4 24GB", 121e12, 30.3e12, 24e9),

@@ -294,3 +294,32 @@ def test_gpu_check_without_a_gpu_says_so_and_exits_0(run_command, tmp_path):
     assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
     assert result.stdout == "gpu-check: no CUDA GPU is visible on this machine, so there is nothing to check; run it where there is one.\n"
     assert not page.exists()
+
+
+def test_gpu_check_sets_the_plan_beside_the_bert_rows():
+    """The GPU rows' code, run on the CPU on a tiny BERT: the model state it measures (fp32 AdamW: 4 + 4 + 8
+    bytes a parameter) is the plan's, byte for byte but AdamW's step counters (one 4-byte scalar per
+    parameter tensor: 41 here); the device name picks the plan's preset."""
+    import importlib.util
+    from transformers import BertConfig
+    from common.plan import GPUS
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    config = BertConfig(vocab_size=1100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, num_labels=3)
+    row = gpu_check.bert_base_row("fp32", torch.device("cpu"), config, batch=2, tokens=8, warmup=1, steps=1)
+    beside = gpu_check.plan_beside(row, "fp32", GPUS["H100"], config, batch=2, tokens=8)
+    assert row["state_bytes"] - beside["state_bytes"] == 4 * 41, (row, beside)
+    assert row["samples_per_s"] > 0 and 0 < beside["mfu"] < 1 and beside["total_bytes"] > beside["state_bytes"]
+    names = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA H200": "H200", "NVIDIA A100-SXM4-80GB": "A100",
+             "Tesla V100-SXM2-32GB": "V100", "NVIDIA L4": "L4", "NVIDIA L40S": None}
+    assert {name: gpu_check.gpu_preset(name) for name in names} == \
+        {name: GPUS[key] if key else None for name, key in names.items()}
+    measured = {"fp32": {**row, "peak_bytes": 10**9}}
+    base = gpu_check.plan_beside(row, "fp32", GPUS["H100"])  # the page's rows are BERT-base's
+    assert base["state_bytes"] == 16 * 109_484_547  # BertForSequenceClassification(BertConfig(num_labels=3))
+    assert gpu_check.bert_table(measured, "NVIDIA H100 80GB HBM3")[-1] == (
+        f"| fp32 | {row['samples_per_s']:.0f} ({base['samples_per_s']:.0f}) | {base['mfu']:.2f} | "
+        f"{row['state_bytes'] / 1e9:.2f} (1.75) | 1.0 ({base['total_bytes'] / 1e9:.1f}) |")
+    assert "no preset in common.plan matches NVIDIA L40S" in "\n".join(gpu_check.bert_table(measured, "NVIDIA L40S"))

@@ -102,7 +102,7 @@ def test_powersgd_bytes_follow_torchs_rule():
 
 
 @pytest.mark.parametrize("argv, phrase", [
-    (["--params", "1e9", "--gpu", "B200"], "unknown GPU 'B200'; known: H100, A100, V100, L4"),
+    (["--params", "1e9", "--gpu", "B200"], "unknown GPU 'B200'; known: H100, H200, A100, V100, L4"),
     (["--params", "1e9", "--network", "carrier-pigeon"], "unknown network 'carrier-pigeon'"),
     (["--params", "0"], "must be above zero, not 0"),
     (["--params", "1e9", "--gpus", "-8"], "must be above zero, not -8"),

@@ -1,5 +1,5 @@
 """Every GPU check in one command (`make gpu-check`): tests/test_gpu.py, then the GPU rows of the
-benchmarks, written as one Markdown table, with the device and the software named, to docs/gpu_results.md.
+benchmarks, written as Markdown tables, with the device and the software named, to docs/gpu_results.md.
 
     python tools/gpu_check.py --data-dir data      # MNIST/raw under data/; about 5 minutes on one H100
 
@@ -8,13 +8,16 @@ mnist_1_single.py in fp32 and bf16, for mnist_3_ddp.py under torchrun with 1 pro
 mnist_4_accelerate.py under accelerate launch with 1 process; then the training throughput of a
 BERT-base-sized classifier (BertConfig's defaults: 12 layers, hidden 768, random weights, nothing
 downloaded) at global batch 128 and 128 tokens, in fp32, bf16 and fp16, after a warm-up, with the peak
-GPU memory (torch.cuda.max_memory_allocated). Without a GPU it says so in one sentence and exits 0.
+GPU memory (torch.cuda.max_memory_allocated), each beside what common.plan predicts for it on the GPU's
+preset (the plan's GPU row: benchmarks/plan_check.py checks it on CPU processes). Without a GPU it says
+so in one sentence and exits 0.
 MNIST must be on the GPU machine itself: where the repository is copied there (a working tree sent to
 a lent machine), a folder beside it such as ../shared/data does not travel, so copy MNIST/raw into the
 repository first (cp -r ../shared/data/MNIST data/, ignored by git) and carry that folder along.
 """
 import argparse
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from common.machine import machine_name  # noqa: E402  (after the path above)
+from common.plan import GB, GPU, GPUS, NETWORKS, model_of_config, plan, step_flops  # noqa: E402
 from common.precision import autocast, grad_scaler, optimizer_step  # noqa: E402
 
 RESULTS = ROOT / "docs" / "gpu_results.md"
@@ -54,32 +58,68 @@ def mnist_rows(data_dir: str) -> dict[str, dict]:
     return rows
 
 
-def bert_base_row(precision: str, batch: int = 128, tokens: int = 128, warmup: int = 3, steps: int = 10) -> dict:
-    """Training samples/s of a BERT-base-sized classifier on one GPU, and the peak memory of its steps."""
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the parameters, their gradients and the optimizer's state tensors, as they are held."""
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
+               *(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def bert_base_row(precision: str, device: torch.device, config=None, batch: int = 128, tokens: int = 128,
+                  warmup: int = 3, steps: int = 10) -> dict:
+    """Training samples/s of a BERT-base-sized classifier (config: BertConfig's defaults) on one device,
+    the bytes of its model state, and on a GPU the peak memory of its steps."""
     from transformers import BertConfig, BertForSequenceClassification
-    device = torch.device("cuda")
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(num_labels=3)).to(device)
+    model = BertForSequenceClassification(config or BertConfig(num_labels=3)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
     scaler = grad_scaler(device, precision)
-    ids = torch.randint(1000, 30000, (batch, tokens), device=device)
-    labels = torch.randint(0, 3, (batch,), device=device)
-    torch.cuda.reset_peak_memory_stats(device)
+    ids = torch.randint(1000, model.config.vocab_size, (batch, tokens), device=device)
+    labels = torch.randint(0, model.config.num_labels, (batch,), device=device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     for step in range(warmup + steps):
         if step == warmup:
-            torch.cuda.synchronize(device)
+            if cuda:
+                torch.cuda.synchronize(device)
             start = time.perf_counter()
         with autocast(device, precision):
             loss = torch.nn.functional.cross_entropy(model(input_ids=ids).logits, labels)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         optimizer_step(optimizer, scaler)
-    torch.cuda.synchronize(device)
+    if cuda:
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    row = {"samples_per_s": steps * batch / seconds, "state_bytes": model_state_bytes(model, optimizer),
+           "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None}
     del model, optimizer
-    torch.cuda.empty_cache()
-    return {"samples_per_s": steps * batch / seconds, "peak_gib": peak}
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def gpu_preset(name: str) -> GPU | None:
+    """common.plan's preset for a device name such as 'NVIDIA H100 80GB HBM3'; None if there is none."""
+    return next((gpu for key, gpu in GPUS.items() if re.search(rf"\b{key}\b", name, re.IGNORECASE)), None)
+
+
+def plan_beside(measured: dict, precision: str, gpu: GPU, config=None, batch: int = 128, tokens: int = 128) -> dict:
+    """common.plan's prediction for the run bert_base_row measured: one GPU (no communication) at the
+    calculator's default MFU; and the MFU the run reached, from the same FLOP count.
+
+    Autocast keeps fp32 weights and gradients (4 + 4 + 8 bytes per parameter), where the plan's mixed
+    precision counts 2 + 2 + 12: the same 16, split otherwise, so the model state is compared in total."""
+    from transformers import AutoModelForSequenceClassification, BertConfig
+    shape = model_of_config(config or BertConfig(num_labels=3), AutoModelForSequenceClassification)
+    kind = "fp32" if precision == "fp32" else "mixed"
+    predicted = plan("ddp", shape, 1, 1, gpu, NETWORKS["nvlink"], NETWORKS["nvlink"], kind, batch, tokens)
+    peak = gpu.flops_fp32 if kind == "fp32" else gpu.flops_16bit
+    step_s = batch / measured["samples_per_s"]
+    return {"samples_per_s": predicted.samples_per_s, "mfu": step_flops(shape, batch * tokens, tokens) / (step_s * peak),
+            "state_bytes": predicted.params_bytes + predicted.grads_bytes + predicted.optimizer_bytes,
+            "total_bytes": predicted.total_bytes}
 
 
 def software() -> str:
@@ -90,22 +130,39 @@ def software() -> str:
             f"transformers {transformers.__version__}, accelerate {accelerate.__version__}, lightning {lightning.__version__}")
 
 
+def bert_table(bert: dict, device: str) -> list[str]:
+    """The BERT-base rows, each beside common.plan's prediction for the same run on this GPU's preset."""
+    gpu = gpu_preset(device)
+    lines = ["BERT-base-sized fine-tuning on 1 GPU: BertConfig's default sizes with random weights, batch 128 of 128",
+             "tokens, throughput after 3 warm-up steps. Measured, and in brackets what `python -m common.plan`",
+             "predicts for it " + (f"with the {gpu.name} preset at its default MFU of 0.4; the MFU column is the "
+                                   "share of the preset's peak the run reached. Model state: parameters, gradients "
+                                   "and AdamW's state as held (autocast keeps fp32 weights and gradients: 16 bytes "
+                                   "per parameter, as the plan's mixed precision, split otherwise); peak: "
+                                   "`torch.cuda.max_memory_allocated`, against the plan's state + activations."
+                                   if gpu else f"(no preset in common.plan matches {device}: {', '.join(GPUS)})."),
+             "", "| precision | samples/s | MFU | model state GB | peak GB |", "|---|---:|---:|---:|---:|"]
+    for precision, r in bert.items():
+        p = plan_beside(r, precision, gpu) if gpu else None
+        cells = [f"{r['samples_per_s']:.0f}" + (f" ({p['samples_per_s']:.0f})" if p else ""),
+                 f"{p['mfu']:.2f}" if p else "",
+                 f"{r['state_bytes'] / GB:.2f}" + (f" ({p['state_bytes'] / GB:.2f})" if p else ""),
+                 f"{r['peak_bytes'] / GB:.1f}" + (f" ({p['total_bytes'] / GB:.1f})" if p else "")]
+        lines.append(f"| {precision} | {' | '.join(cells)} |")
+    return lines
+
+
 def page(tests: str, mnist: dict, bert: dict, device: str, seconds: float) -> str:
     lines = ["# Results on a GPU", "",
              "Written by `make gpu-check` ([`tools/gpu_check.py`](../tools/gpu_check.py)); run it on a machine with",
-             "a GPU to replace this page. MNIST rows: one training epoch (evaluation and start-up not counted),",
-             "global batch 64. BERT-base rows: BertConfig's default sizes with random weights, global batch 128",
-             "of 128 tokens, throughput after 3 warm-up steps, peak memory as `torch.cuda.max_memory_allocated`.",
-             "", f"Device: {device}, one GPU. Software: {software()}.", "",
+             "a GPU to replace this page. GB = 10^9 bytes.", "",
+             f"Device: {device}, one GPU. Software: {software()}.", "",
              f"`tests/test_gpu.py`: {tests}", "",
-             "| run | precision | train s | samples/s | test accuracy | peak GPU memory |",
-             "|---|---|---:|---:|---:|---:|"]
+             "MNIST: one training epoch (evaluation and start-up not counted), global batch 64.", "",
+             "| run | precision | train s | samples/s | test accuracy |", "|---|---|---:|---:|---:|"]
     for (name, precision), r in mnist.items():
-        lines.append(f"| {name} | {precision} | {r['seconds']:.1f} | {r['samples_per_s']:.0f} | {r['accuracy']:.2f}% | |")
-    for precision, r in bert.items():
-        lines.append(f"| BERT-base-sized fine-tuning, 1 GPU | {precision} | | {r['samples_per_s']:.0f} | "
-                     f"| {r['peak_gib']:.1f} GiB |")
-    lines += ["", f"The whole check took {seconds / 60:.1f} minutes."]
+        lines.append(f"| {name} | {precision} | {r['seconds']:.1f} | {r['samples_per_s']:.0f} | {r['accuracy']:.2f}% |")
+    lines += ["", *bert_table(bert, device), "", f"The whole check took {seconds / 60:.1f} minutes."]
     return "\n".join(lines) + "\n"
 
 
@@ -123,7 +180,7 @@ def main():
     summary = (tests.stdout.strip().splitlines() or ["(no output)"])[-1].strip("= ")
     print(f"tests/test_gpu.py: {summary}", flush=True)
     mnist = mnist_rows(args.data_dir)
-    bert = {precision: bert_base_row(precision) for precision in ("fp32", "bf16", "fp16")}
+    bert = {precision: bert_base_row(precision, torch.device("cuda")) for precision in ("fp32", "bf16", "fp16")}
     args.output.write_text(page(summary, mnist, bert, machine_name(torch.device("cuda", 0)), time.perf_counter() - start))
     print(args.output.read_text())
     if tests.returncode:
