@@ -6,14 +6,31 @@ from pathlib import Path
 import pytest
 
 # The CPU suite runs on the CPU even where there are GPUs: hidden from this process (before anything
-# initializes CUDA) and from every process it starts. test_gpu.py gets them back from GPU_DEVICES.
-GPU_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
+# initializes CUDA) and from every process it starts. test_gpu.py gets them back from GPU_DEVICES. The
+# pytest-xdist workers are started by a process that has already hidden them: the session's setting
+# reaches them in SESSION_GPUS ("unset" where the variable was).
+SESSION_GPUS = "CPU_SUITE_SESSION_CUDA_VISIBLE_DEVICES"
+os.environ.setdefault(SESSION_GPUS, os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+GPU_DEVICES = None if os.environ[SESSION_GPUS] == "unset" else os.environ[SESSION_GPUS]
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 from mnist_files import write_tiny_mnist  # noqa: E402  (after the line above)
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_IMAGES = 101  # divides by neither 2 nor 3 processes
+
+
+# pyproject's addopts run the suite on one pytest-xdist worker per CPU, each file on one worker
+# (--dist loadfile: a file's module fixtures, such as the SLURM cluster, are made once), handed out in
+# collection order. The files that take longest (measured: tests.md) go first, so that no worker is
+# left running one of them alone at the end.
+LONGEST_FIRST = ["test_resume.py", "test_slurm.py", "test_benchmarks.py", "test_gpu_paths.py", "test_debugging.py",
+                 "test_lessons.py", "test_nli_scripts.py", "test_mnist_scripts.py", "test_notebooks.py", "test_compile.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")

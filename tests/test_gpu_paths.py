@@ -287,6 +287,19 @@ def test_cpu_suite_hides_gpus_from_what_it_starts(run_command):
     assert result.stdout.split() == ["''", "0"]
 
 
+@pytest.mark.parametrize("session_gpus, skipped", [("7", False), ("", True)])
+def test_the_gpu_tests_get_the_sessions_gpus_on_every_worker(session_gpus, skipped):
+    """`make test` runs tests/test_gpu.py on pytest-xdist workers, which a process that has hidden the GPUs
+    starts: they must still see the session's CUDA_VISIBLE_DEVICES, or every GPU test skips on a GPU
+    machine. --setup-plan decides the skips and runs nothing. Control: a session with none skips them."""
+    env = {key: value for key, value in os.environ.items() if key != "CPU_SUITE_SESSION_CUDA_VISIBLE_DEVICES"}
+    result = subprocess.run([PYTHON, "-m", "pytest", "--numprocesses=2", "-p", "no:cacheprovider", "-q", "-rs",
+                             "--setup-plan", "tests/test_gpu.py"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**env, "CUDA_VISIBLE_DEVICES": session_gpus})
+    assert result.returncode in (0, 5), result.stdout[-2000:] + result.stderr[-2000:]  # 5: no test ran
+    assert ("no GPU on this machine" in result.stdout) == skipped, result.stdout[-2000:]
+
+
 def test_gpu_check_without_a_gpu_says_so_and_exits_0(run_command, tmp_path):
     """make gpu-check on a machine without a GPU: one sentence, exit 0, and the results page left alone."""
     page = tmp_path / "gpu_results.md"
