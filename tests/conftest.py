@@ -20,12 +20,20 @@ ROOT = Path(__file__).resolve().parent.parent
 TEST_IMAGES = 101  # divides by neither 2 nor 3 processes
 
 
-# pyproject's addopts run the suite on one pytest-xdist worker per CPU, each file on one worker
-# (--dist loadfile: a file's module fixtures, such as the SLURM cluster, are made once), handed out in
-# collection order. The files that take longest (measured: tests.md) go first, so that no worker is
-# left running one of them alone at the end.
+# pyproject's addopts run the suite on pytest-xdist workers, each file on one worker (--dist loadfile:
+# a file's module fixtures, such as the SLURM cluster, are made once), handed out in collection order.
+# The files that take longest (measured: tests.md) go first, so that no worker is left running one of
+# them alone at the end.
 LONGEST_FIRST = ["test_resume.py", "test_slurm.py", "test_benchmarks.py", "test_gpu_paths.py", "test_debugging.py",
                  "test_lessons.py", "test_nli_scripts.py", "test_mnist_scripts.py", "test_notebooks.py", "test_compile.py"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config):
+    """--numprocesses=auto: one worker per CPU this process may run on (a container's CPUs, not the
+    host's), at most 8."""
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return min(8, len(usable))
 
 
 def pytest_collection_modifyitems(items):
@@ -64,7 +72,10 @@ def run_command():
 
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone"]
-ACCELERATE = [PYTHON, "-m", "accelerate.commands.launch"]
+# accelerate launch listens on port 29500 unless told otherwise, and two pytest-xdist workers launching at
+# once would race for it: each worker has its own (29500 itself stays the notebooks' notebook_launcher's).
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+ACCELERATE = [PYTHON, "-m", "accelerate.commands.launch", "--main_process_port", str(29510 + WORKER)]
 
 
 def assert_ran(result, *phrases):

@@ -326,7 +326,8 @@ def test_gpu_check_sets_the_plan_beside_the_bert_rows():
     assert row["state_bytes"] - beside["state_bytes"] == 4 * 41, (row, beside)
     assert row["samples_per_s"] > 0 and 0 < beside["mfu"] < 1 and beside["total_bytes"] > beside["state_bytes"]
     names = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA H200": "H200", "NVIDIA A100-SXM4-80GB": "A100",
-             "Tesla V100-SXM2-32GB": "V100", "NVIDIA L4": "L4", "NVIDIA L40S": None}
+             "Tesla V100-SXM2-32GB": "V100", "NVIDIA L4": "L4", "NVIDIA L40S": None, "NVIDIA H100 PCIe": None,
+             "NVIDIA H100 NVL": None}
     assert {name: gpu_check.gpu_preset(name) for name in names} == \
         {name: GPUS[key] if key else None for name, key in names.items()}
     measured = {"fp32": {**row, "peak_bytes": 10**9}}

@@ -101,7 +101,10 @@ def bert_base_row(precision: str, device: torch.device, config=None, batch: int 
 
 
 def gpu_preset(name: str) -> GPU | None:
-    """common.plan's preset for a device name such as 'NVIDIA H100 80GB HBM3'; None if there is none."""
+    """common.plan's preset for a device name such as 'NVIDIA H100 80GB HBM3'; None if there is none (the
+    presets are the SXM parts: an H100 PCIe or NVL has a lower peak)."""
+    if re.search(r"PCIe|NVL", name, re.IGNORECASE):
+        return None
     return next((gpu for key, gpu in GPUS.items() if re.search(rf"\b{key}\b", name, re.IGNORECASE)), None)
 
 
@@ -175,7 +178,7 @@ def main():
         print(NO_GPU)
         return
     start = time.perf_counter()
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py"], cwd=ROOT, capture_output=True,
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-n0", "-q", "tests/test_gpu.py"], cwd=ROOT, capture_output=True,
                            text=True, timeout=600)
     summary = (tests.stdout.strip().splitlines() or ["(no output)"])[-1].strip("= ")
     print(f"tests/test_gpu.py: {summary}", flush=True)

@@ -29,10 +29,10 @@ CHECKS = {  # name: the command, run from the repository root; every module that
     "grad_sync": [PY, "benchmarks/grad_sync.py", "--nproc", "2", "--accumulation-steps", "2", "--micro-batch", "2",
                   "--optimizer-steps", "1"],
     "uneven": [PY, "benchmarks/uneven_inputs.py", "--batches", "1", "--timeout", "5"],
-    "spawn tests": [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_equivalence.py",
+    "spawn tests": [PY, "-m", "pytest", "-n0", "-q", "-p", "no:cacheprovider", "tests/test_equivalence.py",
                     "tests/test_gather.py", "tests/test_bucketing.py", "tests/test_accumulation.py",
                     "tests/test_allreduce.py", "tests/test_zero.py", "tests/test_figures.py"],
-    "resume tests": [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_resume.py", "-k", "fsdp"],
+    "resume tests": [PY, "-m", "pytest", "-n0", "-q", "-p", "no:cacheprovider", "tests/test_resume.py", "-k", "fsdp"],
 }
 
 
