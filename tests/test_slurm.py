@@ -17,6 +17,9 @@ from conftest import ROOT, TEST_IMAGES
 
 HARNESS = ROOT / "tests" / "slurm" / "local_cluster.sh"
 SKIP = 3  # the harness's exit code for "cannot start SLURM here"
+# The fixtures below bound their own waits (the cluster's start 300 s, the jobs 420 s, the requeued jobs
+# 300 s) and cancel what is left; pytest-timeout's 300 s per test would cut them short under load.
+pytestmark = pytest.mark.timeout(900)
 # name: launcher, its options, job script, chapter script, the world size it must report. torchrun on
 # 2 nodes x 1 process is the salloc job's
 JOBS = {
