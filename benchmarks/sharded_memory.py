@@ -47,6 +47,11 @@ def storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
+def state_tensors(optimizer: torch.optim.Optimizer) -> list:
+    """The optimizer's state tensors (AdamW: each parameter's two moments and its step)."""
+    return [value for per_param in optimizer.state.values() for value in per_param.values() if torch.is_tensor(value)]
+
+
 def memory_kb(field: str) -> int | None:
     """VmRSS or VmHWM of this process, from /proc (Linux); None elsewhere."""
     try:
@@ -108,7 +113,7 @@ def measure(run: str, config, batch: int, length: int, steps: int) -> dict:
         model.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - began)
     peak_kb = memory_kb("VmHWM")
-    state = [value for per_param in optimizer.state.values() for value in per_param.values() if torch.is_tensor(value)]
+    state = state_tensors(optimizer)
     result = {"psi": psi, "params": storage_bytes(params), "grads": grads, "optimizer": storage_bytes(state),
               "step_s": statistics.median(times[1:] if len(times) > 1 else times),
               "peak_mb": None if peak_kb is None else (peak_kb - start_kb) / 1024}

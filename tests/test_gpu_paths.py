@@ -322,7 +322,7 @@ def test_gpu_check_sets_the_plan_beside_the_bert_rows():
     config = BertConfig(vocab_size=1100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, num_labels=3)
     row = gpu_check.bert_base_row("fp32", torch.device("cpu"), config, batch=2, tokens=8, warmup=1, steps=1)
-    beside = gpu_check.plan_beside(row, "fp32", GPUS["H100"], config, batch=2, tokens=8)
+    beside = gpu_check.plan_beside(row, "fp32", GPUS["H100"], config)
     assert row["state_bytes"] - beside["state_bytes"] == 4 * 41, (row, beside)
     assert row["samples_per_s"] > 0 and 0 < beside["mfu"] < 1 and beside["total_bytes"] > beside["state_bytes"]
     names = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA H200": "H200", "NVIDIA A100-SXM4-80GB": "A100",

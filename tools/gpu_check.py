@@ -30,6 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from common.machine import machine_name  # noqa: E402  (after the path above)
 from common.plan import GB, GPU, GPUS, NETWORKS, model_of_config, plan, step_flops  # noqa: E402
 from common.precision import autocast, grad_scaler, optimizer_step  # noqa: E402
+from sharded_memory import state_tensors, storage_bytes  # noqa: E402
 
 RESULTS = ROOT / "docs" / "gpu_results.md"
 NO_GPU = "gpu-check: no CUDA GPU is visible on this machine, so there is nothing to check; run it where there is one."
@@ -58,17 +59,11 @@ def mnist_rows(data_dir: str) -> dict[str, dict]:
     return rows
 
 
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the parameters, their gradients and the optimizer's state tensors, as they are held."""
-    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
-               *(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def bert_base_row(precision: str, device: torch.device, config=None, batch: int = 128, tokens: int = 128,
                   warmup: int = 3, steps: int = 10) -> dict:
     """Training samples/s of a BERT-base-sized classifier (config: BertConfig's defaults) on one device,
-    the bytes of its model state, and on a GPU the peak memory of its steps."""
+    the bytes of its model state (parameters, gradients, optimizer state), and on a GPU the peak memory
+    of its steps; with the batch and tokens, for plan_beside."""
     from transformers import BertConfig, BertForSequenceClassification
     cuda = device.type == "cuda"
     torch.manual_seed(0)
@@ -92,7 +87,9 @@ def bert_base_row(precision: str, device: torch.device, config=None, batch: int 
     if cuda:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    row = {"samples_per_s": steps * batch / seconds, "state_bytes": model_state_bytes(model, optimizer),
+    params = list(model.parameters())
+    row = {"samples_per_s": steps * batch / seconds, "batch": batch, "tokens": tokens,
+           "state_bytes": storage_bytes([*params, *(p.grad for p in params), *state_tensors(optimizer)]),
            "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None}
     del model, optimizer
     if cuda:
@@ -108,7 +105,7 @@ def gpu_preset(name: str) -> GPU | None:
     return next((gpu for key, gpu in GPUS.items() if re.search(rf"\b{key}\b", name, re.IGNORECASE)), None)
 
 
-def plan_beside(measured: dict, precision: str, gpu: GPU, config=None, batch: int = 128, tokens: int = 128) -> dict:
+def plan_beside(measured: dict, precision: str, gpu: GPU, config=None) -> dict:
     """common.plan's prediction for the run bert_base_row measured: one GPU (no communication) at the
     calculator's default MFU; and the MFU the run reached, from the same FLOP count.
 
@@ -117,6 +114,7 @@ def plan_beside(measured: dict, precision: str, gpu: GPU, config=None, batch: in
     from transformers import AutoModelForSequenceClassification, BertConfig
     shape = model_of_config(config or BertConfig(num_labels=3), AutoModelForSequenceClassification)
     kind = "fp32" if precision == "fp32" else "mixed"
+    batch, tokens = measured["batch"], measured["tokens"]
     predicted = plan("ddp", shape, 1, 1, gpu, NETWORKS["nvlink"], NETWORKS["nvlink"], kind, batch, tokens)
     peak = gpu.flops_fp32 if kind == "fp32" else gpu.flops_16bit
     step_s = batch / measured["samples_per_s"]
