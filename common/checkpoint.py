@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.distributed import rank
+from common.distributed import processes, rank
 
 KEEP = 2
 NAME = re.compile(r"step-(\d+)\.pt")
@@ -210,7 +210,7 @@ class Checkpoints:
             print(f"resumed from {path}: epoch {position.epoch}, {position.samples_done} samples into it, "
                   f"step {position.step}", flush=True)
             if state["world_size"] != self.world_size:
-                print(f"written by {state['world_size']} processes, continued by {self.world_size}: the same "
+                print(f"written by {processes(state['world_size'])}, continued by {self.world_size}: the same "
                       f"global batch and data order; each rank's random state reseeded from seed, rank and step",
                       flush=True)
 

@@ -1,9 +1,12 @@
 """torch.compile as one flag, --compile [BACKEND], and one sentence where it cannot work.
 
-The scripts compile after the DDP wrap: dynamo then sees DDP and splits the captured graph at DDP's
-bucket boundaries (torch/_dynamo/backends/distributed.py, DDPOptimizer), so that each bucket's
-all-reduce can still start while the backward of the earlier layers runs. Compiled before the wrap,
-DDP would see one opaque module whose gradients all arrive at the end of one compiled backward.
+The scripts compile after the DDP wrap (torch.compile(DDP(model))), the order torch's DDP notes give,
+which also leaves model.module the plain model for evaluation and saving. Either order splits the
+captured graph at DDP's bucket boundaries (torch/_dynamo/backends/distributed.py, DDPOptimizer), so
+that each bucket's all-reduce can still start while the backward of the earlier layers runs: dynamo
+applies DDPOptimizer to whatever it compiles while a DDP forward is running
+(DistributedDataParallel._get_active_ddp_module(), checked in torch/_dynamo/convert_frame.py), and in
+DDP(torch.compile(model)) the compiled model runs inside DDP's forward too.
 """
 import argparse
 import shutil

@@ -164,6 +164,11 @@ def print0(*args, force: bool = False, **kwargs) -> None:
         builtins.print(*args, **kwargs)
 
 
+def processes(count: int) -> str:
+    """"1 process", "2 processes": the banners' count of ranks, in English."""
+    return f"{count} process" if count == 1 else f"{count} processes"
+
+
 @contextlib.contextmanager
 def main_process_first(local_rank: int):
     """Let local rank 0 download or prepare files while the others wait, then let them read the result.

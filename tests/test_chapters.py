@@ -4,10 +4,15 @@ that a doc or a script's header tells the user to run exists."""
 import ast
 import difflib
 import re
+import subprocess
+import sys
 
 import pytest
 
 from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+from stepdiff import MARK, matcher, stepdiff, without_mark  # noqa: E402  (tools/ is not a package)
 
 MNIST_LADDER = ["mnist_1_single.py", "mnist_2_data_parallel.py", "mnist_3_ddp.py", "mnist_4_accelerate.py"]
 # Paths under src/ch4/: the seed's ladder at its root, each later chapter in the folder of its docs page.
@@ -26,8 +31,8 @@ BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py"]
 # Not rungs: each program of the debugging gallery holds one bug and, behind --fixed, its fix
 # (tests/test_debugging.py runs both).
 GALLERY = sorted(f"debugging/{path.name}" for path in (ROOT / "src" / "ch4" / "debugging").glob("*.py"))
-MARK = "# STEP"
 COMPILE_LINE = "model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself"
+COMPILE_IMPORT = "from common.compile import add_compile_flag, compiled"
 DELETIONS = {  # unmarked lines of the earlier script that a step deletes on purpose
     # Accelerate casts (mixed_precision) and scales the loss itself: the autocast block and the scaler go
     ("mnist_3_ddp.py", "mnist_4_accelerate.py"): ["precision = resolve_precision(args.precision, device)", COMPILE_LINE,
@@ -43,8 +48,12 @@ DELETIONS = {  # unmarked lines of the earlier script that a step deletes on pur
         "for epoch in range(args.epochs):", "start = time.perf_counter()",
         "train_seconds += time.perf_counter() - start", 'print0(f"epoch {epoch}: mean training loss {loss:.4f}")'],
     ("mnist_3_ddp.py", "resume/mnist_3_ddp_resume.py"): [COMPILE_LINE],
+    ("ddp.py", "resume/ddp_resume.py"): [COMPILE_LINE],  # as its MNIST twin: the resumed run is eager
+    # FSDP2 compiles each block on its own (compile_in_place), not the wrapped model
+    ("ddp.py", "sharded/nli_fsdp.py"): [COMPILE_IMPORT],
+    # Accelerate compiles through its own launch config (dynamo_backend), not the flag
     ("ddp.py", "nli_accelerate.py"): [
-        "model = model.to(device)",
+        COMPILE_IMPORT, COMPILE_LINE, "model = model.to(device)",
         "scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)",
         "scaler = grad_scaler(device, precision)", "precision = resolve_precision(args.precision, device)",
         "with autocast(device, precision):",
@@ -59,10 +68,6 @@ def code_lines(name):
     return source.splitlines()[docstring_end:]
 
 
-def without_mark(line):
-    return line.split(MARK)[0].rstrip()
-
-
 def changes(before, after):
     """Lines of `after` whose code (marks aside) the diff adds, lines of `after` it keeps as they were,
     and lines of `before` it deletes without a replacement.
@@ -70,9 +75,7 @@ def changes(before, after):
     Marks are compared away: a line that step 3 marked and step 4 keeps unmarked is unchanged code.
     """
     added, kept, deleted = [], [], []
-    matcher = difflib.SequenceMatcher(a=[without_mark(line) for line in before],
-                                      b=[without_mark(line) for line in after], autojunk=False)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+    for tag, i1, i2, j1, j2 in matcher(before, after).get_opcodes():
         (kept if tag == "equal" else added).extend(after[j1:j2])
         if tag == "delete":
             deleted.extend(before[i1:i2])
@@ -112,6 +115,54 @@ def test_neighbours_differ_only_in_marked_lines(before, after):
     assert added, f"{after} changes nothing in {before}"
 
 
+def mark_only_changes(diff_lines):
+    """Lines a unified diff shows as changed although only their `# STEP` mark differs: within one run of
+    changed lines, a removed line and an added line with the same code."""
+    found, removed, added = [], set(), set()
+    for line in [*diff_lines, " "]:
+        if line.startswith(("---", "+++")):
+            continue
+        if line[:1] in "-+":
+            (removed if line[0] == "-" else added).add(without_mark(line[1:]))
+        else:
+            found.extend(sorted((removed & added) - {""}))
+            removed, added = set(), set()
+    return found
+
+
+@pytest.mark.parametrize("before, after", STEPS)
+def test_the_lesson_diff_shows_only_the_lesson(before, after):
+    """`python tools/stepdiff.py PARENT CHILD`, the command the pages give, shows no line whose only change is
+    a mark: the reader sees the step and nothing else."""
+    lines = stepdiff(code_lines(before), code_lines(after))
+    assert lines and not mark_only_changes(lines), f"{before} -> {after}: {mark_only_changes(lines)}"
+
+
+def test_plain_diff_shows_the_marks_that_stepdiff_hides():
+    """Negative control: plain diff of the same neighbours is full of lines that only lost a mark."""
+    before, after = code_lines("mnist_3_ddp.py"), code_lines("scale_out/mnist_comm_hooks.py")
+    assert len(mark_only_changes(list(difflib.unified_diff(before, after, lineterm="")))) > 10
+
+
+DIFF_COMMAND = re.compile(r"(?<!tools/stepdiff.py)(?<![\w/.-])diff (?:-\w+ )*(?:\.\./)?src/")
+
+
+def test_readers_are_told_to_run_stepdiff_not_diff():
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "src" / "ch4").rglob("*.py"))]
+    plain = [f"{text.relative_to(ROOT)}: {line.strip()}" for text in texts for line in text.read_text().splitlines()
+             if DIFF_COMMAND.search(line)]
+    assert not plain, "tell readers `python tools/stepdiff.py PARENT CHILD`:\n" + "\n".join(plain)
+
+
+def test_stepdiff_runs_as_the_pages_say():
+    result = subprocess.run([sys.executable, "tools/stepdiff.py", "src/ch4/mnist_2_data_parallel.py",
+                             "src/ch4/mnist_3_ddp.py"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "+    model = DDP(" in result.stdout, result.stderr
+    missing = subprocess.run([sys.executable, "tools/stepdiff.py", "nowhere.py", "src/ch4/mnist_3_ddp.py"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "nowhere.py is not a file" in missing.stderr
+
+
 @pytest.mark.parametrize("base", BASES)
 def test_base_scripts_mark_nothing(base):
     assert not [line for line in code_lines(base) if MARK in line]
@@ -145,7 +196,7 @@ def test_the_check_above_catches_a_deletion_inside_a_replaced_block():
     assert len(deleted) == 3 and "model.eval()" in deleted
 
 
-PATH = re.compile(r"(?<![\w/.-])((?:src|benchmarks|slurm|notebooks|images|figures|tests|common|docs|tools|\.ci)/[\w./-]*\w)")
+PATH = re.compile(r"(?<![\w/.-])((?:src|benchmarks|slurm|notebooks|figures|tests|common|docs|tools|\.ci)/[\w./-]*\w)")
 
 
 OPTIONAL = {"slurm/site_env.sh"}  # a site's own file, which the job scripts source only if present
@@ -182,10 +233,9 @@ def test_every_link_of_the_docs_resolves(page, link):
 
 
 def test_the_readme_is_a_map():
-    """Chapter prose lives in docs/: the README stays short enough to be read as the map it is."""
+    """Chapter prose lives in docs/: the README stays short enough to be read as the map it is, and links every
+    page (tests/test_site.py checks that "Start here" is the site's reading order)."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
-    start_here = (ROOT / "README.md").read_text().split("## Start here\n", 1)[1].split("\n## ", 1)[0]
-    assert re.findall(r"^(\d)\. ", start_here, re.MULTILINE) == ["1", "2", "3", "4", "5"]  # a five-step path
     linked = set(re.findall(r"\]\((docs/[\w.]+\.md)\)", (ROOT / "README.md").read_text()))
     assert linked == {f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md")}  # every page is on the map
 
@@ -194,12 +244,12 @@ def test_the_readme_is_a_map():
 
 CHAPTER_PAGES = ["mnist.md", "bert.md", "inside_ddp.md", "resume.md", "sharded.md", "lightning.md", "scale_out.md",
                  "compile.md"]
-EXCERPT = re.compile(r"^```python from=(\S+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+EXCERPT = re.compile(r'^```python title="([^"]+)"\n(.*?)^```$', re.MULTILINE | re.DOTALL)
 GAP = "..."  # a line of its own in an excerpt: lines of the script left out here
 
 
 def excerpts(page):
-    """(path, lines) of each fenced block the page marks ```python from=PATH: an excerpt of that file."""
+    """(path, lines) of each fenced block the page marks ```python title="PATH": an excerpt of that file."""
     return [(path, text.splitlines()) for path, text in EXCERPT.findall((ROOT / "docs" / page).read_text())]
 
 
@@ -227,7 +277,7 @@ def test_each_excerpt_on_a_page_is_the_scripts_text(page, index):
 
 @pytest.mark.parametrize("page", CHAPTER_PAGES)
 def test_each_chapter_page_shows_its_change_inline(page):
-    assert excerpts(page), f"docs/{page} shows no excerpt (```python from=PATH)"
+    assert excerpts(page), f"docs/{page} shows no excerpt (```python title='PATH')"
 
 
 def test_an_excerpt_stops_matching_when_the_script_changes():

@@ -173,6 +173,14 @@ def test_bert_ddp_trains_with_compile(run_command, tiny_bert, nli_pairs):
     assert_ran(result, "eval accuracy")
 
 
+@pytest.mark.parametrize("script", ["data_parallel.py"])  # nli_loss_in_forward.py has the same two lines
+def test_the_bert_base_scripts_train_with_compile(run_command, tiny_bert, nli_pairs, script):
+    """The flag lives in the base script, so ddp.py's lesson diff does not show it."""
+    result = run_command(PYTHON, CH4 / script, "--model", tiny_bert, "--dataset", nli_pairs, "--max-steps", 1,
+                         "--batch-size", 8, "--compile", "eager")
+    assert_ran(result, "eval accuracy")
+
+
 def test_inductor_without_a_compiler_says_so(monkeypatch, tmp_path):
     """No C++ compiler on the PATH: one sentence (sys.exit's, on stderr) naming the ways out."""
     monkeypatch.setenv("PATH", str(tmp_path))

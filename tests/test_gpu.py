@@ -38,7 +38,7 @@ def test_lightning_on_one_gpu(run_command, tiny_mnist):
     """trainer.test() leaves the module on the CPU: the counts must still be summed on the GPU (NCCL)."""
     result = run_command(PYTHON, CH4 / "mnist_5_lightning.py", "--data-dir", tiny_mnist, "--devices", "1",
                          env_extra=ON_GPU)
-    assert_ran(result, "1 processes on cuda", f"over {TEST_IMAGES} images")
+    assert_ran(result, "1 process on cuda", f"over {TEST_IMAGES} images")
 
 
 def test_data_parallel_replicas_compute_in_bf16(run_command):
@@ -52,7 +52,7 @@ def test_data_parallel_replicas_compute_in_bf16(run_command):
 def test_torchrun_one_process_nccl(run_command, tiny_mnist):
     result = run_command(*TORCHRUN, "--nproc_per_node=1", CH4 / "mnist_3_ddp.py", "--data-dir", tiny_mnist,
                          env_extra=ON_GPU)
-    assert_ran(result, "1 processes on cuda", f"over {TEST_IMAGES} images")
+    assert_ran(result, "1 process on cuda", f"over {TEST_IMAGES} images")
     assert "using the device under current context" not in result.stderr  # device_id was given
 
 
@@ -60,7 +60,7 @@ def test_accelerate_fp16_config_on_one_gpu(run_command, tiny_mnist):
     result = run_command(*ACCELERATE, "--config_file", CH4 / "accelerate_configs" / "multi_gpu_fp16.yaml",
                          "--num_processes", "1", CH4 / "mnist_4_accelerate.py", "--data-dir", tiny_mnist,
                          env_extra=ON_GPU)
-    assert_ran(result, "1 processes on cuda, fp16", f"over {TEST_IMAGES} images")
+    assert_ran(result, "1 process on cuda, fp16", f"over {TEST_IMAGES} images")
 
 
 @pytest.mark.skipif(GPUS is None or "," in GPUS, reason="needs exactly one GPU")
@@ -73,20 +73,20 @@ def test_two_processes_on_one_gpu_say_so(run_command, tiny_mnist):
 def test_bert_ddp_on_gpu(run_command, tiny_bert, nli_pairs):
     result = run_command(*TORCHRUN, "--nproc_per_node=1", CH4 / "ddp.py", "--model", tiny_bert, "--dataset", nli_pairs,
                          "--max-steps", "3", env_extra=ON_GPU)
-    assert_ran(result, "1 processes on cuda", "pairs")
+    assert_ran(result, "1 process on cuda", "pairs")
 
 
 def test_fsdp_scripts_on_gpu_nccl(run_command, tiny_mnist, tiny_bert, nli_pairs):
     result = run_command(*TORCHRUN, "--nproc_per_node=1", CH4 / "sharded" / "mnist_fsdp.py", "--data-dir", tiny_mnist,
                          env_extra=ON_GPU)
-    assert_ran(result, "1 processes on cuda", f"over {TEST_IMAGES} images")
+    assert_ran(result, "1 process on cuda", f"over {TEST_IMAGES} images")
     result = run_command(*TORCHRUN, "--nproc_per_node=1", CH4 / "sharded" / "nli_fsdp.py", "--model", tiny_bert, "--dataset",
                          nli_pairs, "--max-steps", "3", env_extra=ON_GPU)
-    assert_ran(result, "1 processes on cuda", f"over {EVAL_PAIRS} pairs")
+    assert_ran(result, "1 process on cuda", f"over {EVAL_PAIRS} pairs")
 
 
 def test_accelerate_fsdp2_config_on_one_gpu(run_command, tiny_bert, nli_pairs):
     result = run_command(*ACCELERATE, "--config_file", CH4 / "accelerate_configs" / "fsdp2_gpus.yaml",
                          "--num_processes", "1", CH4 / "nli_accelerate.py", "--model", tiny_bert, "--dataset", nli_pairs,
                          "--max-steps", "3", env_extra=ON_GPU)
-    assert_ran(result, "1 processes on cuda", f"over {EVAL_PAIRS} pairs")
+    assert_ran(result, "1 process on cuda", f"over {EVAL_PAIRS} pairs")

@@ -191,7 +191,7 @@ def test_a_multi_process_config_runs_one_process_as_on_one_gpu(run_command, tiny
     """--num_processes 1 with a MULTI_GPU config: the path one GPU takes with multi_gpu_fp16.yaml."""
     result = run_command(*ACCELERATE, "--config_file", CH4 / "accelerate_configs" / "cpu_2_processes.yaml",
                          "--num_processes", "1", CH4 / "mnist_4_accelerate.py", "--data-dir", tiny_mnist)
-    assert_ran(result, "1 processes on cpu")
+    assert_ran(result, "1 process on cpu")
 
 
 def test_cpu_config_runs_on_the_cpu_where_there_are_gpus(tmp_path):

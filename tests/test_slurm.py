@@ -34,7 +34,7 @@ JOBS = {
     "accelerate, 1 node x 1 process, bf16": ("sbatch", ["-N1", "--cpus-per-task=2",
                                                         "--export=ALL,NPROC_PER_NODE=1,MIXED_PRECISION=bf16"],
                                              "slurm/accelerate.sbatch", "src/ch4/mnist_4_accelerate.py",
-                                             "1 processes on cpu, bf16"),
+                                             "1 process on cpu, bf16"),
     "lightning, 2 nodes x 1 task": ("sbatch", ["-N2", "--ntasks-per-node=1", "--cpus-per-task=2"],
                                     "slurm/srun_tasks.sbatch", "src/ch4/mnist_5_lightning.py", "2 processes"),
     "lightning, 1 node x 2 tasks": ("sbatch", ["-N1", "--ntasks-per-node=2", "--cpus-per-task=1"],

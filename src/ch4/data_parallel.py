@@ -22,6 +22,7 @@ from torch.utils.data import RandomSampler, SequentialSampler
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
+from common.compile import add_compile_flag, compiled
 from common.distributed import device_for, print0
 from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
 from common.precision import Autocast, autocast, grad_scaler, optimizer_step, resolve_precision
@@ -81,6 +82,7 @@ def main(args):
 
     model = model.to(device)
     model = nn.DataParallel(Autocast(model, device, precision))  # every visible GPU; autocast inside each replica's thread
+    model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     total_steps = min(args.max_steps or float("inf"), args.epochs * len(train_loader))
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)
@@ -105,4 +107,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(nli_parser(__doc__).parse_args())
+    main(add_compile_flag(nli_parser(__doc__)).parse_args())

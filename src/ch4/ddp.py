@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from common.cli import per_process_batch  # STEP
-from common.compile import add_compile_flag, compiled  # STEP
-from common.distributed import device_for, init_process_group, print0, require_launcher  # STEP
+from common.compile import add_compile_flag, compiled
+from common.distributed import device_for, init_process_group, print0, processes, require_launcher  # STEP
 from common.gather import sum_across_ranks  # STEP
 from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
 from common.precision import autocast, grad_scaler, optimizer_step, resolve_precision  # STEP: one thread per process: no Autocast wrapper
@@ -90,13 +90,13 @@ def main(args):
 
     model = model.to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # STEP: all-reduce gradients in backward
-    model = compiled(model, args.compile)  # STEP: --compile, after the wrap: one graph per gradient bucket
+    model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     total_steps = min(args.max_steps or float("inf"), args.epochs * len(train_loader))
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)
     scaler = grad_scaler(device, precision)
 
-    print0(f"{launch.world_size} processes on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
     progress = tqdm(total=total_steps, desc="training", disable=launch.rank != 0)  # STEP: one bar, not N
     steps_done, train_seconds = 0, 0.0
     for epoch in range(args.epochs):
@@ -119,4 +119,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(add_compile_flag(nli_parser(__doc__)).parse_args())  # STEP: --compile [BACKEND]
+    main(add_compile_flag(nli_parser(__doc__)).parse_args())

@@ -30,7 +30,7 @@ from torch.utils.data.distributed import DistributedSampler  # STEP
 from common.cli import mnist_parser
 from common.compile import add_compile_flag, compiled
 from common.cli import per_process_batch  # STEP
-from common.distributed import device_for, init_process_group, print0, require_launcher  # STEP
+from common.distributed import device_for, init_process_group, print0, processes, require_launcher  # STEP
 from common.gather import sum_across_ranks  # STEP
 from common.mnist import BasicNet, load_mnist, make_loader
 from common.precision import autocast, grad_scaler, resolve_precision  # STEP: one thread per process: no Autocast wrapper
@@ -90,7 +90,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 
-    print0(f"{launch.world_size} processes on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
     train_seconds = 0.0
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)  # STEP: a new shuffle each epoch, the same on every rank

@@ -29,7 +29,7 @@ from torch.utils.data import RandomSampler, SequentialSampler  # STEP
 from common.cli import mnist_parser
 from common.compile import add_compile_flag, compiled
 from common.cli import per_process_batch
-from common.distributed import detect_launch, device_for, print0  # STEP
+from common.distributed import detect_launch, device_for, print0, processes  # STEP
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, make_loader
 from common.precision import accelerate_mixed_precision  # STEP
@@ -85,7 +85,7 @@ def main():
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)  # STEP
     model = compiled(model, args.compile)  # STEP: after prepare(), which wrapped the model in DDP
 
-    print0(f"{accelerator.num_processes} processes on {device.type}, {accelerator.mixed_precision}, global batch {args.batch_size} = {accelerator.num_processes} x {batch_size}")  # STEP
+    print0(f"{processes(accelerator.num_processes)} on {device.type}, {accelerator.mixed_precision}, global batch {args.batch_size} = {accelerator.num_processes} x {batch_size}")  # STEP
     train_seconds = 0.0
     for epoch in range(args.epochs):
         start = time.perf_counter()

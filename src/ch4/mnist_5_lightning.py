@@ -42,7 +42,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common.cli import mnist_parser
 from common.cli import per_process_batch
-from common.distributed import print0  # STEP
+from common.distributed import print0, processes  # STEP
 from common.gather import sum_across_ranks
 from common.lightning_launch import add_trainer_flags, check_launch  # STEP
 from common.mnist import BasicNet, load_mnist, make_loader
@@ -105,7 +105,7 @@ def main():
     model = LitBasicNet(args.lr)  # STEP
 
     if trainer.is_global_zero:  # STEP: print0 needs the process group, which fit() creates
-        print(f"{trainer.world_size} processes on {trainer.strategy.root_device.type}, {precision}, global batch {args.batch_size} = {trainer.world_size} x {batch_size}")  # STEP
+        print(f"{processes(trainer.world_size)} on {trainer.strategy.root_device.type}, {precision}, global batch {args.batch_size} = {trainer.world_size} x {batch_size}")  # STEP
     trainer.fit(model, train_loader)  # STEP: every epoch: set_epoch, the loop, DDP's all-reduce in backward
     train_seconds = model.train_seconds  # STEP
 

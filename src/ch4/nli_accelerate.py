@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from common.cli import per_process_batch
-from common.distributed import detect_launch, device_for, print0  # STEP
+from common.distributed import detect_launch, device_for, print0, processes  # STEP
 from common.gather import sum_across_ranks
 from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
 from common.precision import accelerate_mixed_precision  # STEP
@@ -100,7 +100,7 @@ def training_function(args):  # STEP: what notebook_launcher runs in each proces
     scheduler = accelerator.prepare(get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0,  # STEP
                                                                     num_training_steps=total_steps * accelerator.num_processes))  # STEP
 
-    print0(f"{accelerator.num_processes} processes on {device.type}, {accelerator.mixed_precision}, global batch {args.batch_size} = {accelerator.num_processes} x {batch_size}")  # STEP
+    print0(f"{processes(accelerator.num_processes)} on {device.type}, {accelerator.mixed_precision}, global batch {args.batch_size} = {accelerator.num_processes} x {batch_size}")  # STEP
     progress = tqdm(total=total_steps, desc="training", disable=not accelerator.is_main_process)  # STEP
     steps_done, train_seconds = 0, 0.0
     for epoch in range(args.epochs):

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader  # STEP
 from torch.utils.data.distributed import DistributedSampler  # STEP
 
 from common.cli import per_process_batch  # STEP
-from common.distributed import device_for, init_process_group, print0, require_launcher  # STEP
+from common.distributed import device_for, init_process_group, print0, processes, require_launcher  # STEP
 from common.gather import sum_across_ranks  # STEP
 from common.nli import PairCollator, load_model_and_tokenizer, load_pairs, nli_parser, to_device
 from common.samplers import DistributedEvalSampler  # STEP
@@ -43,7 +43,7 @@ def main(args):
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # STEP: all-reduce gradients in backward
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
-    print0(f"{launch.world_size} processes on {device.type}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
+    print0(f"{processes(launch.world_size)} on {device.type}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
     model.train()
     step, epoch = 0, 0
     while step < args.max_steps:

@@ -30,7 +30,7 @@ from common.checkpoint import Checkpoints, Position  # STEP
 from common.cli import add_checkpoint_flags  # STEP
 from common.cli import per_process_batch
 from common.ddp_buckets import rebuild_buckets  # STEP
-from common.distributed import device_for, init_process_group, print0, require_launcher
+from common.distributed import device_for, init_process_group, print0, processes, require_launcher
 from common.gather import sum_across_ranks
 from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
 from common.precision import autocast, grad_scaler, optimizer_step, resolve_precision
@@ -125,7 +125,7 @@ def main(args):
         rebuild_buckets(model, autocast(device, precision), input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))  # STEP: the first run's buckets
     stop = StopSignal()  # STEP: SIGTERM and SIGUSR1 only set a flag
 
-    print0(f"{launch.world_size} processes on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
     progress = tqdm(total=total_steps, initial=position.step, desc="training", disable=launch.rank != 0)  # STEP
     steps_done, train_seconds = 0, 0.0
     for epoch in range(position.epoch, args.epochs):  # STEP

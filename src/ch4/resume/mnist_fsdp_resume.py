@@ -38,7 +38,7 @@ from common.checkpoint import Position  # STEP
 from common.cli import add_checkpoint_flags  # STEP
 from common.cli import mnist_parser
 from common.cli import per_process_batch
-from common.distributed import device_for, init_process_group, print0, require_launcher
+from common.distributed import device_for, init_process_group, print0, processes, require_launcher
 from common.distributed import exit_process
 from common.fsdp import fully_shard
 from common.gather import sum_across_ranks
@@ -129,7 +129,7 @@ def main():
     stop = StopSignal()  # STEP: SIGTERM and SIGUSR1 only set a flag
     first_step = position.step  # STEP
 
-    print0(f"{launch.world_size} processes on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
     train_seconds = 0.0
     for epoch in range(position.epoch, args.epochs):  # STEP
         train_sampler.set_epoch(epoch, position.samples_done)  # STEP: the same shuffle, from the global cursor on

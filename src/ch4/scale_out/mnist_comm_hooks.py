@@ -32,7 +32,7 @@ from common.cli import add_comm_hook_flags, mnist_parser  # STEP
 from common.compile import add_compile_flag, compiled
 from common.cli import per_process_batch
 from common.comm_hooks import AllReduceCounter, bucket_cap_mb, bytes_report, register_comm_hook  # STEP
-from common.distributed import device_for, init_process_group, print0, require_launcher
+from common.distributed import device_for, init_process_group, print0, processes, require_launcher
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, make_loader
 from common.precision import autocast, grad_scaler, resolve_precision
@@ -94,7 +94,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 
-    print0(f"{launch.world_size} processes on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}, "  # STEP
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}, "  # STEP
            f"comm hook {args.comm_hook}" + (f", rank {args.powersgd_rank}" if args.comm_hook == "powersgd" else ""))  # STEP
     sent = AllReduceCounter()  # STEP: adds up the tensors this rank hands to all_reduce
     train_seconds = 0.0

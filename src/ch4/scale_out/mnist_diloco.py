@@ -32,7 +32,7 @@ from common.cli import add_local_sgd_flags, mnist_parser  # STEP
 from common.compile import add_compile_flag, compiled
 from common.cli import per_process_batch
 from common.comm_hooks import AllReduceCounter, bytes_report  # STEP
-from common.distributed import device_for, init_process_group, print0, require_launcher
+from common.distributed import device_for, init_process_group, print0, processes, require_launcher
 from common.gather import sum_across_ranks
 from common.local_sgd import OuterOptimizer  # STEP
 from common.mnist import BasicNet, load_mnist, make_loader
@@ -95,7 +95,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 
-    print0(f"{launch.world_size} processes on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}, "  # STEP
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}, "  # STEP
            f"synchronised every {args.sync_every} steps by outer SGD, lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}")  # STEP
     sent = AllReduceCounter()  # STEP: adds up the tensors this rank hands to all_reduce
     train_seconds = 0.0

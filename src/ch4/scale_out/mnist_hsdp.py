@@ -48,7 +48,7 @@ from common.cli import mesh_shape, positive_int  # STEP
 from common.cli import mnist_parser
 from common.compile import add_compile_flag, compile_in_place
 from common.cli import per_process_batch
-from common.distributed import device_for, init_process_group, print0, require_launcher
+from common.distributed import device_for, init_process_group, print0, processes, require_launcher
 from common.distributed import exit_process
 from common.fsdp import MixedPrecisionPolicy, fully_shard  # STEP: torch.distributed.fsdp (torch.distributed._composable.fsdp before 2.6)
 from common.gather import sum_across_ranks
@@ -134,7 +134,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 
-    print0(f"{launch.world_size} processes on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
     print0(f"mesh (replicate, shard) = {replicas} x {shards}: shard groups (rows) {mesh.mesh.tolist()}, "  # STEP
            f"parameters in {args.param_dtype}, gradients reduced in fp32")  # STEP
     train_seconds = 0.0

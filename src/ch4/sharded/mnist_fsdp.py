@@ -33,7 +33,7 @@ from torch.utils.data.distributed import DistributedSampler
 from common.cli import mnist_parser
 from common.compile import add_compile_flag, compile_in_place  # STEP
 from common.cli import per_process_batch
-from common.distributed import device_for, init_process_group, print0, require_launcher
+from common.distributed import device_for, init_process_group, print0, processes, require_launcher
 from common.distributed import exit_process  # STEP
 from common.fsdp import fully_shard  # STEP: torch.distributed.fsdp.fully_shard (torch.distributed._composable.fsdp before 2.6)
 from common.gather import sum_across_ranks
@@ -101,7 +101,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 
-    print0(f"{launch.world_size} processes on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
     train_seconds = 0.0
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)

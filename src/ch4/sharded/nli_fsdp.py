@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from common.cli import per_process_batch
-from common.distributed import device_for, init_process_group, print0, require_launcher
+from common.distributed import device_for, init_process_group, print0, processes, require_launcher
 from common.distributed import exit_process  # STEP
 from common.fsdp import fully_shard  # STEP: torch.distributed.fsdp.fully_shard (torch.distributed._composable.fsdp before 2.6)
 from common.gather import sum_across_ranks
@@ -107,7 +107,7 @@ def main(args):
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)
     scaler = grad_scaler(device, precision)
 
-    print0(f"{launch.world_size} processes on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
     progress = tqdm(total=total_steps, desc="training", disable=launch.rank != 0)
     steps_done, train_seconds = 0, 0.0
     for epoch in range(args.epochs):

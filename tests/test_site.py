@@ -1,0 +1,170 @@
+"""The course reads in one order and its outputs are real: the site builds with --strict (every link, anchor and
+page checked), the nav is README's reading order, and every output a page shows is a recording of today's files
+(tools/record_outputs.py, `make docs-outputs`)."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import record_outputs  # noqa: E402  (tools/ is not a package)
+
+MKDOCS = [sys.executable, "-m", "mkdocs"]
+PAGES = sorted(path.name for path in (ROOT / "docs").glob("*.md"))
+REGIONS = [(page.name, name) for page in record_outputs.pages() for name, _, _, _ in record_outputs.regions(page)]
+
+
+def nav_pages(nav=None):
+    """The nav's pages, flattened in reading order."""
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"] if nav is None else nav
+    flat = []
+    for entry in nav:
+        for value in (entry.values() if isinstance(entry, dict) else [entry]):
+            flat.extend(nav_pages(value) if isinstance(value, list) else [value])
+    return flat
+
+
+def chapters():
+    """The reading order's chapters: the nav's top-level pages after the home page."""
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    return [value for entry in nav for value in entry.values() if isinstance(value, str) and value != "index.md"]
+
+
+def test_the_site_builds_with_strict_checks(tmp_path):
+    """`make docs`: a broken link, anchor, include or a page left out of the nav fails the build."""
+    result = subprocess.run([*MKDOCS, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "site" / "index.html").is_file() and (tmp_path / "site" / "mnist" / "index.html").is_file()
+    assert (tmp_path / "site" / "repo" / "src" / "ch4" / "mnist_3_ddp.py" / "index.html").is_file()
+
+
+def test_every_page_is_in_the_nav_once():
+    assert sorted(nav_pages()) == sorted({"index.md", *PAGES}) and len(nav_pages()) == len(set(nav_pages()))
+
+
+def test_the_readme_lists_the_chapters_in_the_nav_order():
+    start_here = (ROOT / "README.md").read_text().split("## Start here\n", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\d+\. .*?\]\(docs/([\w.]+\.md)\)", start_here, re.MULTILINE)
+    assert listed == chapters()
+
+
+def footer(page):
+    lines = (ROOT / "docs" / page).read_text().rstrip().splitlines()
+    return lines[-1] if lines[-1].startswith("Previous: ") else None
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_each_page_ends_with_its_neighbours_in_the_nav(page):
+    """On GitHub, a page's last line links the pages before and after it in the nav; the site draws its own."""
+    order = nav_pages()
+    index = order.index(page)
+    before = "../README.md" if order[index - 1] == "index.md" else order[index - 1]
+    links = re.findall(r"\]\(([^)]+)\)", footer(page) or "")
+    assert links[:1] == [before] and links[1:] == order[index + 1:index + 2], (
+        f"docs/{page} must end with: Previous: [..]({before})" + (f" · Next: [..]({order[index + 1]})" if index + 1 < len(order) else ""))
+
+
+LESSONS = chapters()
+
+
+@pytest.mark.parametrize("page", LESSONS)
+def test_each_lesson_opens_with_what_you_will_learn(page):
+    lines = [line for line in (ROOT / "docs" / page).read_text().splitlines() if line.strip()]
+    assert lines[0].startswith("# ") and lines[1].startswith("> **You will learn**"), f"docs/{page}: line 2"
+    assert any(line.startswith("> **Read first:**") for line in lines[1:5]), f"docs/{page}: no Read first"
+
+
+def prose_lines(text):
+    """The lines a reader reads as the lesson: outside fenced code and <details> blocks."""
+    text = re.sub(r"^(`{3,}).*?^\1$", "", text, flags=re.MULTILINE | re.DOTALL)
+    text = re.sub(r"<details>.*?</details>", "", text, flags=re.DOTALL)
+    return [line for line in text.splitlines()]
+
+
+@pytest.mark.parametrize("page", LESSONS)
+def test_a_lesson_keeps_its_measurements_apart(page):
+    assert len(prose_lines((ROOT / "docs" / page).read_text())) <= 250, f"docs/{page}: move tables and notes into <details>"
+
+
+WORK_LOG = re.compile(r"\b(this session|these sessions|today|predates|found on the way|before the fix|not yet run|"
+                      r"the test cluster|failed in \d+ of \d+|a run today)\b|/work/|/tmp/pytest", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("page", ["README.md", *(f"docs/{page}" for page in PAGES)])
+def test_no_page_reads_as_a_work_log(page):
+    text = (ROOT / page).read_text()
+    found = [line.strip() for line in prose_lines(text) if WORK_LOG.search(line)]
+    assert not found, f"{page}: how the repo was built belongs in commit messages:\n" + "\n".join(found)
+
+
+def test_the_work_log_check_finds_a_planted_phrase():
+    assert WORK_LOG.search("This output predates the new model.") and not WORK_LOG.search("The ring predicts it.")
+
+
+# ---- outputs: recorded by tools/record_outputs.py, never pasted ----
+
+@pytest.mark.parametrize("page", ["README.md", *(f"docs/{page}" for page in PAGES)])
+def test_every_output_block_is_a_recording(page):
+    pasted = record_outputs.unrecorded_output_fences((ROOT / page).read_text())
+    assert not pasted, (f"{page} shows an output that is not recorded (a fence with no language or with `$ ` lines): "
+                        "write a record spec (tools/record_outputs.py), or give a fence that is not an output its "
+                        "language:\n" + pasted[0][:400])
+
+
+def test_a_pasted_output_is_found():
+    """Negative control: an untagged block, or a block of `$` lines, outside a record region."""
+    assert record_outputs.unrecorded_output_fences("text\n```\n$ python x.py\n42\n```\n")
+    assert not record_outputs.unrecorded_output_fences("```bash\npython x.py\n```\n")
+
+
+def recording_of(page, name):
+    page_path = ROOT / "docs" / page
+    spec = next(spec for found, spec, _, _ in record_outputs.regions(page_path) if found == name)
+    return spec, record_outputs.load(page_path, name)
+
+
+@pytest.mark.parametrize("page, name", REGIONS)
+def test_each_page_shows_its_recording(page, name):
+    spec, recording = recording_of(page, name)
+    assert recording is not None, f"docs/{page}: record {name} was never recorded: make docs-outputs"
+    assert {key: recording[key] for key in ("commands", "options")} == spec, (
+        f"docs/{page}: record {name}'s spec changed since it was recorded: make docs-outputs")
+    body = next(body for found, _, body, _ in record_outputs.regions(ROOT / "docs" / page) if found == name)
+    assert body == record_outputs.render(recording), f"docs/{page}: record {name} was edited by hand"
+
+
+@pytest.mark.parametrize("page, name", REGIONS)
+def test_no_recording_is_older_than_its_files(page, name):
+    _, recording = recording_of(page, name)
+    if recording is None:
+        pytest.fail(f"docs/{page}: record {name} was never recorded")
+    changed = record_outputs.changed_sources(recording)
+    if changed and recording["options"].get("needs"):
+        pytest.skip(f"docs/{page}: record {name} is older than {changed}; it needs {recording['options']['needs']} to re-record")
+    assert not changed, f"docs/{page}: record {name} is older than {changed}: make docs-outputs"
+
+
+def test_a_changed_script_makes_its_recording_stale(tmp_path):
+    """Negative control: one line added to a script behind a recording, or to a common/ module it imports."""
+    commands = ["python src/ch4/mnist_1_single.py --data-dir data"]
+    recording = {"sources": record_outputs.fingerprint(commands)}
+    assert "common/mnist.py" in recording["sources"] and "src/ch4/mnist_1_single.py" in recording["sources"]
+    for path in recording["sources"]:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / path, tmp_path / path)
+    assert record_outputs.changed_sources(recording, tmp_path) == []
+    with open(tmp_path / "common" / "mnist.py", "a") as module:
+        module.write("\n# changed\n")
+    assert record_outputs.changed_sources(recording, tmp_path) == ["common/mnist.py"]
+
+
+def test_every_recording_belongs_to_a_page():
+    recorded = {(path.parent.name + ".md", path.stem) for path in (ROOT / "docs" / "outputs").rglob("*.json")}
+    assert recorded <= set(REGIONS), f"recordings no page asks for: {sorted(recorded - set(REGIONS))}"

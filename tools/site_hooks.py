@@ -1,0 +1,95 @@
+"""MkDocs hooks: the site is built from the same Markdown that reads on GitHub.
+
+The pages link what GitHub shows beside them: `../src/ch4/ddp.py`, `../notebooks/x.ipynb`, the home page
+is README.md. MkDocs serves only its docs folder, so these hooks
+  - make README.md the site's home page, its `docs/` links pointing at the pages;
+  - give every file or folder outside docs/ that a page links a generated page of its own under repo/
+    (a script as highlighted source, a notebook as its cells, a folder as the list of its files), and point
+    the links there, so that a link from the site never leaves it and never breaks;
+  - drop the `Previous: … · Next: …` line that ends each page for GitHub readers: the site's footer is
+    generated from the nav in mkdocs.yml, which is the reading order.
+"""
+import json
+import posixpath
+import re
+from pathlib import Path
+
+from mkdocs.structure.files import File, InclusionLevel
+
+ROOT = Path(__file__).resolve().parent.parent
+LINK = re.compile(r"(\]\()([^)\s#]+)(#[^)\s]*)?(\))")
+FOOTER = re.compile(r"\n---\nPrevious: [^\n]*\n*\Z")
+LANGUAGES = {".py": "python", ".yaml": "yaml", ".yml": "yaml", ".sh": "bash", ".sbatch": "bash", ".toml": "toml"}
+
+
+def generated_uri(target):
+    return f"repo/{target}.md"
+
+
+def rewrite_links(markdown, source_dir, location, wanted):
+    """Links of a file in `source_dir` (of the repository), shown as the page at `location` (of the site):
+    links into docs/ go to that page, links out of it to the outside target's generated page, noted in
+    `wanted`."""
+    def replace(match):
+        prefix, link, anchor, suffix = match.groups()
+        if re.match(r"^[a-z]+:", link):
+            return match.group(0)
+        target = posixpath.normpath(posixpath.join(source_dir, link))
+        if target.startswith("docs/"):
+            uri = posixpath.relpath(target, "docs")
+        elif (ROOT / target).exists():
+            wanted.add(target)
+            uri = generated_uri(target)
+        else:
+            return match.group(0)  # left for MkDocs' own check to report
+        return f"{prefix}{posixpath.relpath(uri, location)}{anchor or ''}{suffix}"
+    return LINK.sub(replace, markdown)
+
+
+def source_page(target):
+    """The generated page of a file or folder outside docs/, and the outside targets it links in turn."""
+    path = ROOT / target
+    if path.is_dir():
+        entries = sorted(p for p in path.iterdir() if not p.name.startswith((".", "__")))
+        name = path.name
+        items = "\n".join(f"- [`{p.name}`]({name}/{p.name}.md)" for p in entries)
+        return f"# `{target}/`\n\n{items}\n", {f"{target}/{p.name}" for p in entries}
+    if path.suffix == ".ipynb":
+        links = set()
+        content = rewrite_links(notebook_page(target, json.loads(path.read_text())), posixpath.dirname(target),
+                                posixpath.dirname(generated_uri(target)), links)
+        return content, links
+    language = LANGUAGES.get(path.suffix, "text")
+    return f"# `{target}`\n\n````{language}\n{path.read_text()}````\n", set()
+
+
+def notebook_page(target, notebook):
+    """A notebook's cells as a page: its Markdown as it is, its code as code (outputs come from running it)."""
+    parts = [f"# `{target}`\n\n*Open it in Jupyter to run it; the tests execute it top to bottom.*\n"]
+    for cell in notebook["cells"]:
+        source = "".join(cell["source"])
+        parts.append(f"````python\n{source}\n````\n" if cell["cell_type"] == "code" else f"{source}\n")
+    return "\n".join(parts)
+
+
+def on_files(files, config):
+    """README as the home page; a generated page for every file or folder outside docs/ that a page links."""
+    files.append(File.generated(config, "index.md", content=(ROOT / "README.md").read_text()))
+    todo = set()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        rewrite_links(page.read_text(), "." if page == ROOT / "README.md" else "docs", ".", todo)
+    done = set()
+    while todo:
+        target = todo.pop()
+        done.add(target)
+        content, links = source_page(target)
+        todo |= links - done
+        files.append(File.generated(config, generated_uri(target), content=content, inclusion=InclusionLevel.NOT_IN_NAV))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    if page.file.src_uri.startswith("repo/"):
+        return markdown
+    source_dir = "." if page.file.src_uri == "index.md" else "docs"
+    return rewrite_links(FOOTER.sub("\n", markdown), source_dir, ".", set())
