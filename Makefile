@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine with Python >= 3.10:
 #   make demo   # creates .venv if missing, installs the project, runs the MNIST ladder (single, then DDP x2)
 #   make test   # creates .venv if missing, installs the project, runs the test suite
-#   make figures  # redraws every figure in images/ from the code and from real runs (figures/, a few minutes)
+#   make figures  # redraws every figure in docs/images/ from the code and from real runs (figures/, a few minutes)
 #   make gpu-check  # on a machine with a GPU: tests/test_gpu.py and the GPU benchmark rows into docs/gpu_results.md
 # DATA_DIR=path/with/MNIST/raw uses a local copy of MNIST instead of downloading it into ./data.
 
@@ -31,11 +31,11 @@ gpu-check: $(VENV)/.installed
 	$(BIN)/python tools/gpu_check.py --data-dir $(DATA_DIR)
 
 benchmark: $(VENV)/.installed
-	$(BIN)/python benchmarks/mnist_speed.py --data-dir $(DATA_DIR) --plot images/mnist_speed_cpu.png
+	$(BIN)/python benchmarks/mnist_speed.py --data-dir $(DATA_DIR) --plot docs/images/mnist_speed_cpu.png
 
 # Schematics (SVG) are byte-stable: tests/test_figures.py redraws them and compares bytes.
 FIGURES := ring_allreduce allreduce_algorithms bucket_assignment accumulation_syncs dp_vs_ddp zero_stages ddp_step_lanes resume_sequence hsdp_mesh overlap_timeline step_time_breakdown compile_breakdown
 
 figures: $(VENV)/.installed
 	for figure in $(FIGURES); do $(BIN)/python figures/$$figure.py || exit 1; done
-	$(BIN)/python benchmarks/allreduce_speed.py --world-sizes 2 4 --plot images/allreduce_busbw.png
+	$(BIN)/python benchmarks/allreduce_speed.py --world-sizes 2 4 --plot docs/images/allreduce_busbw.png

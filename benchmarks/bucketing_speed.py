@@ -6,7 +6,7 @@ stack of equal linear layers, so the gradients arrive in even steps through back
 something to hide. The configurations run one after the other in the same processes, each on a fresh
 model after 3 warm-up steps; the table shows the median step.
 
-    python benchmarks/bucketing_speed.py --plot images/bucketing_cpu.png
+    python benchmarks/bucketing_speed.py --plot docs/images/bucketing_cpu.png
 """
 import argparse
 import statistics

@@ -5,7 +5,7 @@ user would start it; each reports its test accuracy over the 10,000 test images 
 rank handed to all_reduce per training step (the payload, counted as the tensors pass; a ring puts
 2(N-1)/N of it on the wire). Accuracy is not a timing: a busy machine changes none of these numbers.
 
-    python benchmarks/comm_hooks.py --data-dir data --plot images/comm_hooks_cpu.png
+    python benchmarks/comm_hooks.py --data-dir data --plot docs/images/comm_hooks_cpu.png
 """
 import argparse
 import re

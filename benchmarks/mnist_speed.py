@@ -11,7 +11,7 @@ spends its compile time inside both (dynamo compiles at the first step). The col
 empty inductor cache (TORCHINDUCTOR_CACHE_DIR, a fresh folder), the warm run reuses what the cold run
 left there, as a second run on the same machine does.
 
-    python benchmarks/mnist_speed.py --data-dir data --plot images/mnist_speed_cpu.png
+    python benchmarks/mnist_speed.py --data-dir data --plot docs/images/mnist_speed_cpu.png
 """
 import argparse
 import os

@@ -18,7 +18,7 @@ the plan's overlap rule. gloo's reduce-scatter is a whole all-reduce (common/zer
 told so. It lives among the benchmarks because it starts processes and reuses sharded_memory.py;
 common.plan itself stays an instant calculator.
 
-    python benchmarks/plan_check.py --plot images/plan_check_cpu.png        # about 2 minutes of CPU time
+    python benchmarks/plan_check.py --plot docs/images/plan_check_cpu.png        # about 2 minutes of CPU time
 """
 import argparse
 import statistics

@@ -16,7 +16,7 @@ rank under DDP; ZeRO-1 divides the optimizer term by N, ZeRO-2 the gradients too
 all three. (In mixed precision it is 2Ψ + 2Ψ + 12Ψ: bf16 weights and gradients, and an fp32 master
 copy with the two moments; these wrappers train in fp32.)
 
-    python benchmarks/sharded_memory.py --model path/to/all-MiniLM-L6-v2/model --plot images/sharded_memory_cpu.png
+    python benchmarks/sharded_memory.py --model path/to/all-MiniLM-L6-v2/model --plot docs/images/sharded_memory_cpu.png
 """
 import argparse
 import gc

@@ -6,7 +6,7 @@ common.accumulation.count_all_reduces's communication hook records, for every bu
 how many forward passes had run: the micro-batch it belongs to. tests/test_accumulation.py takes
 the same counts and checks the totals.
 
-    python figures/accumulation_syncs.py        # images/accumulation_syncs.svg
+    python figures/accumulation_syncs.py        # docs/images/accumulation_syncs.svg
 """
 import torch
 import torch.nn.functional as F

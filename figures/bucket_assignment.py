@@ -10,7 +10,7 @@ its buckets in the order the gradients really arrived, with a 1 MB first bucket 
 closing a bucket once it reaches the cap. DDP's own _get_ddp_logging_data() (bucket_sizes,
 rebuilt_bucket_sizes) is recorded beside it, and the tests check that both agree.
 
-    python figures/bucket_assignment.py         # images/bucket_assignment.svg
+    python figures/bucket_assignment.py         # docs/images/bucket_assignment.svg
 """
 import torch
 import torch.nn.functional as F

@@ -11,7 +11,7 @@ Compiled, both happen inside inductor's generated kernels, fused with the arithm
 and the two segments are (near) zero. The compile itself happens in the warm-up steps, not shown.
 Bars: the median over the profiled steps.
 
-    python figures/compile_breakdown.py       # images/compile_breakdown.png
+    python figures/compile_breakdown.py       # docs/images/compile_breakdown.png
     python figures/compile_breakdown.py --toy # seconds: 2 steps, aot_eager instead of inductor
 """
 import statistics

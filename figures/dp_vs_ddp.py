@@ -6,7 +6,7 @@ download, no memory; global batch 32 of 128 tokens). The sizes come from the mod
 the all-reduce bytes from common.allreduce.bytes_sent_per_rank. The splitting over several GPUs
 cannot be measured on the CPU this repository is tested on, and the figure says so.
 
-    python figures/dp_vs_ddp.py                 # images/dp_vs_ddp.svg, and prints the byte counts as Markdown
+    python figures/dp_vs_ddp.py                 # docs/images/dp_vs_ddp.svg, and prints the byte counts as Markdown
 """
 import torch
 

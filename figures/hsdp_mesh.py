@@ -6,7 +6,7 @@ columns the replicate groups (GPU g of every node holds the same piece and all-r
 with the others, the only traffic between nodes). The layout is init_device_mesh's, rank r at
 (r // S, r % S); tests/test_hsdp.py checks it against a real mesh and the bytes of the SVG.
 
-    python figures/hsdp_mesh.py      # writes images/hsdp_mesh.svg
+    python figures/hsdp_mesh.py      # writes docs/images/hsdp_mesh.svg
 """
 from pathlib import Path
 

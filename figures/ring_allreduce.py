@@ -6,7 +6,7 @@ the digits of every partial sum say which ranks it already contains (2020: ranks
 step; the drawing takes which chunk each rank sent and received from the same ring_schedule the
 implementation follows. Writes a static SVG (all steps side by side) and an animated GIF (one step a frame).
 
-    python figures/ring_allreduce.py            # images/ring_allreduce.svg and images/ring_allreduce.gif
+    python figures/ring_allreduce.py            # docs/images/ring_allreduce.svg and docs/images/ring_allreduce.gif
 """
 import torch
 import torch.distributed as dist

@@ -12,7 +12,7 @@ moment the last gradient was ready. Per step:
   optimizer                  the optimizer range (SGD step and zero_grad)
 Bars: the median over the profiled steps, averaged over the two ranks.
 
-    python figures/step_time_breakdown.py       # images/step_time_breakdown.png
+    python figures/step_time_breakdown.py       # docs/images/step_time_breakdown.png
     python figures/step_time_breakdown.py --toy # seconds: 4 x Linear(256, 256), 2 steps
 """
 import statistics
