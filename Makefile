@@ -3,6 +3,8 @@
 #   make test   # creates .venv if missing, installs the project, runs the test suite
 #   make figures  # redraws every figure in docs/images/ from the code and from real runs (figures/, a few minutes)
 #   make gpu-check  # on a machine with a GPU: tests/test_gpu.py and the GPU benchmark rows into docs/gpu_results.md
+#   make docs       # builds the site into site/ with MkDocs (--strict); make docs-serve to read it on localhost:8000
+#   make docs-outputs  # reruns every command the pages quote and records what it printed into the pages (slow)
 # DATA_DIR=path/with/MNIST/raw uses a local copy of MNIST instead of downloading it into ./data.
 
 PYTHON ?= python3
@@ -10,7 +12,7 @@ VENV ?= .venv
 DATA_DIR ?= data
 BIN := $(VENV)/bin
 
-.PHONY: demo test benchmark figures gpu-check
+.PHONY: demo test benchmark figures gpu-check docs docs-serve docs-outputs
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -39,3 +41,13 @@ FIGURES := ring_allreduce allreduce_algorithms bucket_assignment accumulation_sy
 figures: $(VENV)/.installed
 	for figure in $(FIGURES); do $(BIN)/python figures/$$figure.py || exit 1; done
 	$(BIN)/python benchmarks/allreduce_speed.py --world-sizes 2 4 --plot docs/images/allreduce_busbw.png
+
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
+docs-serve: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve
+
+# Every page's outputs, on this machine (the pages name it); MNIST from DATA_DIR, as for the demo.
+docs-outputs: $(VENV)/.installed
+	$(BIN)/python tools/record_outputs.py --data-dir $(DATA_DIR)
