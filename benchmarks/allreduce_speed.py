@@ -1,4 +1,4 @@
-"""Time the three hand-written all-reduces against dist.all_reduce, 1 KB to 64 MB, over gloo.
+"""Time the three hand-written all-reduces against dist.all_reduce, 1 KiB to 64 MiB, over gloo.
 
 For each world size it starts that many processes on this machine, times each algorithm (median of
 several runs, all ranks released together by a barrier) and prints a table with the algorithm
@@ -21,12 +21,12 @@ from common.allreduce import ALGORITHMS, bytes_sent_per_rank
 from common.machine import machine_name
 from common.spawn import run_in_process_group
 
-SIZES = [2**10 * 4**k for k in range(9)]  # 1 KB .. 64 MB
+SIZES = [2**10 * 4**k for k in range(9)]  # 1 KiB .. 64 MiB
 CONTENDERS = {"dist.all_reduce (gloo)": dist.all_reduce, **ALGORITHMS}
 
 
 def human(size: int) -> str:
-    return f"{size // 2**20} MB" if size >= 2**20 else f"{size // 2**10} KB"
+    return f"{size // 2**20} MiB" if size >= 2**20 else f"{size // 2**10} KiB"
 
 
 def time_one(function, tensor: torch.Tensor, repeats: int) -> float:
@@ -57,7 +57,7 @@ def worker(rank: int, world_size: int, sizes: list[int]) -> list[tuple]:
 
 def table(rows: list[tuple]) -> str:
     gloo = {(w, s): t for w, s, name, t, _ in rows if name.startswith("dist.")}
-    lines = ["| ranks | size | algorithm | ms | algbw GB/s | model: MB sent by busiest rank | vs gloo | sum exact |",
+    lines = ["| ranks | size | algorithm | ms | algbw GB/s | model: MiB sent by busiest rank | vs gloo | sum exact |",
              "|---:|---:|---|---:|---:|---:|---:|---|"]
     for world_size, size, name, seconds, exact in rows:
         model = bytes_sent_per_rank(name, size, world_size) if name in ALGORITHMS else bytes_sent_per_rank("ring", size, world_size)
@@ -117,7 +117,7 @@ def plot(rows: list[tuple], path: str, title: str) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--max-mb", type=float, default=64, help="largest tensor, in MB (default: 64)")
+    parser.add_argument("--max-mb", type=float, default=64, help="largest tensor, in MiB (default: 64)")
     parser.add_argument("--plot", help="also save a figure to this PNG")
     parser.add_argument("--title", default=f"All-reduce bus bandwidth over gloo, one machine: {machine_name()}",
                         help="plot title (default names the machine)")

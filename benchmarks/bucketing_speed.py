@@ -21,8 +21,8 @@ from common.bucketing import BucketedDataParallel, linear_stack
 from common.spawn import run_in_process_group
 from plotting import bar_chart
 
-CONFIGS = [("ours, one bucket after backward", None), ("ours, 1 MB buckets", 1), ("ours, 4 MB buckets", 4),
-           ("ours, 16 MB buckets", 16), ("ours, 25 MB buckets", 25), ("torch DDP, bucket_cap_mb=25", "ddp")]
+CONFIGS = [("ours, one bucket after backward", None), ("ours, 1 MiB buckets", 1), ("ours, 4 MiB buckets", 4),
+           ("ours, 16 MiB buckets", 16), ("ours, 25 MiB buckets", 25), ("torch DDP, bucket_cap_mb=25", "ddp")]
 
 
 def every_config(rank, world_size, layers, width, batch, steps):
@@ -58,7 +58,7 @@ def time_config(bucket_cap_mb, layers, width, batch, steps):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=1024, help="each layer is width x width (4 MB at 1024)")
+    parser.add_argument("--width", type=int, default=1024, help="each layer is width x width (4 MiB at 1024)")
     parser.add_argument("--batch", type=int, default=64, help="samples per process per step")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--nproc", type=int, default=2)
@@ -66,7 +66,7 @@ def main():
     parser.add_argument("--title", default="Step time vs bucket size", help="plot title, e.g. the machine's name")
     args = parser.parse_args()
     gradient_mb = args.layers * (args.width + 1) * args.width * 4 / 2**20
-    print(f"{args.layers} x Linear({args.width}, {args.width}): {gradient_mb:.0f} MB of gradients, "
+    print(f"{args.layers} x Linear({args.width}, {args.width}): {gradient_mb:.0f} MiB of gradients, "
           f"{args.nproc} processes, batch {args.batch} each")
     results = run_in_process_group(every_config, args.nproc, args.layers, args.width, args.batch, args.steps)
     no_overlap = results[CONFIGS[0][0]][0]

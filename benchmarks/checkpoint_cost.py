@@ -116,7 +116,7 @@ def main():
         shares[name] = 100 * share
         labels.append(f"{100 * share:.2f} % ({save:.2f} s per save, every {interval} steps)")
         parameters = sum(p.numel() for p in model.parameters())
-        print(f"| {name} | {parameters / 1e6:.1f} M | {size / 2**20:.1f} | {save:.3f} | {step:.3f} | {interval} | "
+        print(f"| {name} | {parameters / 1e6:.1f} M | {size / 1e6:.1f} | {save:.3f} | {step:.3f} | {interval} | "
               f"{100 * share:.2f} % |")
     if args.plot:
         bar_chart(shares, labels, "% of training time spent saving",

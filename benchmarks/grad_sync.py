@@ -68,7 +68,7 @@ def main():
     parser.add_argument("--optimizer-steps", type=int, default=15)
     args = parser.parse_args()
     print(f"{args.nproc} processes, {args.accumulation_steps} micro-batches of {args.micro_batch} per process "
-          "per optimizer step, BasicNet (4.6 MB of gradients, MB = 2**20 bytes), gloo")
+          "per optimizer step, BasicNet (4.6 MiB of gradients), gloo")
     print("| variant | s per optimizer step | all-reduces per optimizer step | vs baseline |\n|---|---:|---:|---:|")
     results = run_in_process_group(every_variant, args.nproc, args.accumulation_steps, args.micro_batch,
                                    args.optimizer_steps)

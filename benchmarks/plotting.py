@@ -72,7 +72,7 @@ def stacked_memory_chart(rows, runs: list[str], title: str, path: str) -> None:
         middle = group * (len(runs) + gap) + (len(runs) - 1) / 2
         ax.text(middle, -0.2, f"N = {world_size}", transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=9)
     ax.set_xticks(ticks, labels, fontsize=7, rotation=90)  # upright, five names per group collide
-    ax.set_ylabel("MB per rank (lower is better)")
+    ax.set_ylabel("MiB per rank (lower is better)")
     ax.set_title(title)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: inside it hid the N=4 peaks
     fig.tight_layout()

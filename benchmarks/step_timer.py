@@ -33,9 +33,9 @@ def step_done(optimizer, args, kwargs) -> None:
 
 def report() -> None:
     if torch.cuda.is_initialized():
-        peak_mb, measured = torch.cuda.max_memory_allocated() / 2**20, "GPU max_memory_allocated"
+        peak_mb, measured = torch.cuda.max_memory_allocated() / 1e6, "GPU max_memory_allocated"
     else:
-        peak_mb, measured = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "host peak RSS"
+        peak_mb, measured = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6, "host peak RSS"  # ru_maxrss: KiB
     rank = int(os.environ.get("RANK", 0))
     summary = {"rank": rank, "step_ends": step_ends, "peak_mb": peak_mb, "measured": measured}
     (Path(OUT_DIR) / f"rank{rank}.json").write_text(json.dumps(summary))

@@ -16,7 +16,7 @@ from common.cli import positive_int
 from common.distributed import detect_launch
 
 # SLURMEnvironment.detect() treats a job with one of these names as an interactive shell and ignores
-# SLURM's variables: salloc names its job "interactive" (or after the command it runs, e.g. bash).
+# SLURM's variables. What salloc names its job depends on the site (often "interactive", or the command it runs).
 INTERACTIVE_JOB_NAMES = ("bash", "interactive")
 
 

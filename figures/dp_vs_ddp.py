@@ -57,7 +57,7 @@ def per_gpu(shape) -> tuple:
 
 
 def human(size: float) -> str:
-    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):  # SI units, as on every page
         if size >= scale:
             return f"{size / scale:.3g} {unit}"
     return f"{size:g} B"

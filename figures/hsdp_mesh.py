@@ -1,6 +1,6 @@
 """Draw HSDP's 2-D device mesh: 2 nodes of 4 GPUs, which rank holds which piece, which collective runs along which axis.
 
-A schematic of the scale-out chapter (docs/scale_out.md), for src/ch4/scale_out/mnist_hsdp.py: the mesh's
+A schematic of the HSDP chapter (docs/hsdp.md), for src/ch4/scale_out/mnist_hsdp.py: the mesh's
 rows are the nodes (shard groups: all-gather and reduce-scatter over the fast links inside a node), its
 columns the replicate groups (GPU g of every node holds the same piece and all-reduces its gradients
 with the others, the only traffic between nodes). The layout is init_device_mesh's, rank r at

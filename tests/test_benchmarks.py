@@ -61,10 +61,10 @@ def test_bucketing_speed(run_command, tmp_path):
     result = run_command(PYTHON, "benchmarks/bucketing_speed.py", "--layers", "4", "--width", "256", "--batch", "4",
                          "--steps", "2", "--nproc", "2", "--plot", plot)
     assert_table_and_plot(result, plot, "torch DDP, bucket_cap_mb=25")
-    rows = table_rows(result.stdout, "ours")  # 4 layers of 0.25 MB: 1 MB buckets need two all-reduces
+    rows = table_rows(result.stdout, "ours")  # 4 layers of 0.25 MB: 1 MiB buckets need two all-reduces
     assert {name: row[1] for name, row in rows.items()} == {
-        "ours, one bucket after backward": "1", "ours, 1 MB buckets": "2", "ours, 4 MB buckets": "1",
-        "ours, 16 MB buckets": "1", "ours, 25 MB buckets": "1"}
+        "ours, one bucket after backward": "1", "ours, 1 MiB buckets": "2", "ours, 4 MiB buckets": "1",
+        "ours, 16 MiB buckets": "1", "ours, 25 MiB buckets": "1"}
 
 
 def test_grad_sync(run_command):

@@ -242,7 +242,7 @@ def test_the_readme_is_a_map():
 
 # ---- the change shown inline on each chapter page is the script's own text ----
 
-CHAPTER_PAGES = ["mnist.md", "bert.md", "inside_ddp.md", "resume.md", "sharded.md", "lightning.md", "scale_out.md",
+CHAPTER_PAGES = ["mnist.md", "bert.md", "inside_ddp.md", "resume.md", "sharded.md", "lightning.md", "hsdp.md", "compression.md",
                  "compile.md"]
 EXCERPT = re.compile(r'^```python title="([^"]+)"\n(.*?)^```$', re.MULTILINE | re.DOTALL)
 GAP = "..."  # a line of its own in an excerpt: lines of the script left out here

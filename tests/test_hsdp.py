@@ -230,7 +230,7 @@ def test_without_the_replicate_all_reduce_the_comparison_fails(meshes):
 
 def test_bf16_parameters_with_fp32_reduction(meshes):
     """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the parameters travel in bf16, the
-    gradients in fp32, and the model stays near fp32 DDP's (docs/scale_out.md gives the measured error)."""
+    gradients in fp32, and the model stays near fp32 DDP's (docs/hsdp.md states the bounds)."""
     result = meshes["bf16"]
     dtypes = {(kind, dtype) for kind, _, dtype, _ in between_processes(result["steps"][0])}
     assert dtypes == {("all-gather", "torch.bfloat16"), ("reduce-scatter", "torch.float32"), ("all-reduce", "torch.float32")}

@@ -45,8 +45,9 @@ REGION = re.compile(r"^<!-- record ([a-z0-9-]+)\n(.*?)^-->\n(.*?)^<!-- end recor
 FENCE = re.compile(r"^(`{3,})([^\n`]*)\n(.*?)^\1$", re.MULTILINE | re.DOTALL)
 OPTIONS = {"drop", "timeout", "exit", "needs"}
 NEEDS = {"gpu": "a GPU", "slurm": "a SLURM cluster (sbatch on the PATH)"}
-SOURCE = re.compile(r"(?<![\w./-])((?:src|common|benchmarks|tools|figures|slurm)/[\w./-]*\.(?:py|yaml|yml|sh|sbatch))")
+SOURCE = re.compile(r"(?<![\w./-])((?:src|common|benchmarks|tools|figures|slurm|tests)/[\w./-]*\.(?:py|yaml|yml|sh|sbatch))")
 MODULE = re.compile(r"(?:^|\s)-m\s+([\w.]+)")
+IMPORTED = re.compile(r"\b(?:from|import)\s+([\w.]+)")  # in `python -c "..."` commands
 
 
 class SpecError(ValueError):
@@ -125,6 +126,9 @@ def source_files(commands):
                 files.add(ROOT / path)
         for module in MODULE.findall(command):
             if found := module_file(module, ROOT):
+                files.add(found)
+        for module in IMPORTED.findall(command):  # a `python -c` that imports a test helper puts tests/ on its path
+            if found := module_file(module, ROOT / "tests"):
                 files.add(found)
     for path in [path for path in files if path.suffix == ".py"]:
         files |= imported_files(path)

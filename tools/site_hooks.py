@@ -92,4 +92,5 @@ def on_page_markdown(markdown, page, config, files):
     if page.file.src_uri.startswith("repo/"):
         return markdown
     source_dir = "." if page.file.src_uri == "index.md" else "docs"
+    markdown = markdown.replace("<details>", '<details markdown="1">')  # Markdown inside, as GitHub renders it
     return rewrite_links(FOOTER.sub("\n", markdown), source_dir, ".", set())

@@ -12,7 +12,7 @@ mnist_3_ddp.py with checkpoints a restarted job resumes from, bit for bit. What 
   - the sampler's position is a global sample cursor (the samples of the epoch that all ranks
     together trained on): a resumed epoch continues with the next unseen global batch of the same
     shuffle, at the world size that stopped or at another that divides the global batch (each rank's
-    random state is then reseeded: docs/scale_out.md), and the skipped samples are never loaded;
+    random state is then reseeded: docs/resume.md), and the skipped samples are never loaded;
   - the loader gets its own random generator: iter(DataLoader) draws a seed from the global one, and
     that draw would shift every later dropout mask after a resume;
   - SIGTERM or SIGUSR1 (what torchrun and SLURM send before killing a job) stops all ranks at the same

@@ -20,7 +20,7 @@ Run from the repository root; a rerun of the same command resumes from the newes
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=gpu --max-restarts=3 src/ch4/resume/mnist_fsdp_resume.py --checkpoint-dir checkpoints/mnist-fsdp
 With --max-restarts torchrun restarts all workers when one dies, and they resume from the checkpoint
 (docs/resume.md, "Sharded checkpoints (FSDP2)"). Rerun with another --nproc_per_node and dcp.load
-reshards the pieces to the new world size (docs/scale_out.md).
+reshards the pieces to the new world size (docs/resume.md).
 On a CPU torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores.
 
 Lines marked `# STEP` are what this step changes in mnist_fsdp.py.
