@@ -1,13 +1,15 @@
 """Figure: who sends what in the three all-reduces of common/allreduce.py, recorded from a real run.
 
 Four gloo processes all-reduce a 4 MB tensor with each algorithm inside common.allreduce's
-recording_sends(), which lists every message a rank posts (destination and bytes). Each arrow is one
-sender -> receiver pair, labelled with its messages; under each rank, the bytes it sent, beside the
-cost model's bytes for the busiest rank (common.allreduce.bytes_sent_per_rank).
+recording_sends(), which lists every message a rank posts (destination and bytes). One row per
+algorithm, stacked to fit a 720-px page column: each arrow is one sender -> receiver pair; beside the
+diagram, the pairs' messages (once, where every arrow carries the same), the bytes each rank sent and
+the cost model's bytes for the busiest rank (common.allreduce.bytes_sent_per_rank). MiB = 2**20 bytes.
 
-    python figures/allreduce_algorithms.py      # images/allreduce_algorithms.svg
+    python figures/allreduce_algorithms.py      # docs/images/allreduce_algorithms.svg
 """
 import math
+import textwrap
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,9 @@ from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
 WORLD_SIZE, SIZE_BYTES = 4, 4 * 2**20
 TITLES = {"reduce_broadcast": "reduce + broadcast", "all_to_all": "all-to-all", "ring": "ring"}
+HOW = {"reduce_broadcast": "every rank sends its tensor to rank 0,\nwhich adds them up and sends the sum back",
+       "all_to_all": "every rank sends its whole tensor\nto every other rank and adds up what it gets",
+       "ring": "N\u22121 steps of reduce-scatter, then N\u22121 of all-gather,\none chunk of S/N to the right neighbour each step"}
 
 
 def record(rank: int, world_size: int, size_bytes: int = SIZE_BYTES) -> dict:
@@ -49,42 +54,77 @@ def pairs(recording: dict, algorithm: str) -> dict[tuple[int, int], list[int]]:
     return found
 
 
-def mb(size: float) -> str:
-    return f"{size / 2**20:g} MB"
+def mib(size: float) -> str:
+    return f"{size / 2**20:g} MiB"
+
+
+def message_label(sizes: list[int]) -> str:
+    """A sender -> receiver pair's messages: "1 message of 4 MiB", "6 messages of 1 MiB", "1 MiB + 0.5 MiB"."""
+    if len(set(sizes)) > 1:
+        return " + ".join(map(mib, sizes))
+    return f"{len(sizes)} message{'s' if len(sizes) > 1 else ''} of {mib(sizes[0])}"
+
+
+def sent_by_ranks(sent: list[int]) -> str:
+    """"12 MiB by rank 0, 4 MiB each by ranks 1-3": runs of ranks that sent the same bytes, merged."""
+    runs: list[list[int]] = []
+    for rank, size in enumerate(sent):
+        if runs and sent[runs[-1][-1]] == size:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    if len(runs) == 1:
+        return f"{mib(sent[0])} by every rank"
+    return ", ".join(f"{mib(sent[run[0]])} by rank {run[0]}" if len(run) == 1 else
+                     f"{mib(sent[run[0]])} each by ranks {run[0]}\u2013{run[-1]}" for run in runs)
+
+
+# drawn for a 720-px page column: 7.5 in wide (540 pt = 720 CSS px), no text under 9.5 pt (12.7 px)
+WIDTH, ROW, HEAD, FOOT, DIAGRAM = 7.5, 2.3, 0.62, 0.08, 2.7  # inches: figure, a row, title, bottom margin, a row's diagram
 
 
 def draw(recording: dict, path) -> None:
+    """One row per algorithm: the ranks and their messages on the left, what they add up to on the right."""
     stable_svg_style()
     world_size, size = recording["world_size"], recording["size_bytes"]
-    fig, axes = plt.subplots(1, len(ALGORITHMS), figsize=(5.2 * len(ALGORITHMS), 5.2))
+    height = HEAD + ROW * len(ALGORITHMS) + FOOT
+    fig = plt.figure(figsize=(WIDTH, height))
     where = {rank: (math.sin(2 * math.pi * rank / world_size), math.cos(2 * math.pi * rank / world_size))
              for rank in range(world_size)}
-    for ax, name in zip(axes, ALGORITHMS):
-        sent = bytes_sent(recording, name)
-        for (sender, receiver), sizes in sorted(pairs(recording, name).items()):
+    for row, name in enumerate(ALGORITHMS):
+        bottom = (height - HEAD - ROW * (row + 1)) / height
+        if row:
+            fig.add_artist(plt.Line2D((0.03, 0.97), (bottom + ROW / height,) * 2, color="#cccccc", lw=0.8))
+        ax = fig.add_axes((0.0, bottom, DIAGRAM / WIDTH, ROW / height))
+        found = pairs(recording, name)
+        labels = {message_label(sizes) for sizes in found.values()}
+        for (sender, receiver), sizes in sorted(found.items()):
             (x0, y0), (x1, y1) = where[sender], where[receiver]
-            ax.annotate("", xy=(x1 * 0.82 + x0 * 0.18, y1 * 0.82 + y0 * 0.18), xytext=(x0 * 0.82 + x1 * 0.18, y0 * 0.82 + y1 * 0.18),
-                        arrowprops={"arrowstyle": "-|>", "color": COLORS[sender], "lw": 1.4,
-                                    "connectionstyle": "arc3,rad=0.18", "shrinkA": 12, "shrinkB": 12})
-            label = mb(sizes[0]) if len(sizes) == 1 else f"{len(sizes)} × {mb(sizes[0])}"
-            # the label sits beside the arrow's bend, on the side that arc3 bends it to
-            mx, my = (x0 + x1) / 2, (y0 + y1) / 2
-            nx, ny = (y1 - y0), -(x1 - x0)
-            ax.text(mx * 0.9 + 0.16 * nx, my * 0.9 + 0.16 * ny, label, ha="center", va="center", fontsize=7,
-                    color=COLORS[sender], bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+            ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
+                        arrowprops={"arrowstyle": "-|>,head_length=0.5,head_width=0.25", "color": COLORS[sender], "lw": 1.4,
+                                    "connectionstyle": "arc3,rad=0.2", "shrinkA": 13, "shrinkB": 13})
         for rank, (x, y) in where.items():
-            ax.add_patch(plt.Circle((x, y), 0.17, facecolor=COLORS[rank], edgecolor="black", alpha=0.9))
-            ax.text(x, y, f"{rank}", ha="center", va="center", color="white", fontweight="bold")
-            ax.text(x * 1.42, y * 1.32, f"rank {rank}\nsent {mb(sent[rank])}", ha="center", va="center", fontsize=8)
-        model = bytes_sent_per_rank(name, size, world_size)
-        ax.set_title(f"{TITLES[name]}\nbusiest rank sent {mb(max(sent))}; cost model {mb(model)}", fontsize=9)
-        ax.set_xlim(-1.75, 1.75)
-        ax.set_ylim(-1.65, 1.65)
+            ax.add_patch(plt.Circle((x, y), 0.2, facecolor=COLORS[rank], edgecolor="black", alpha=0.9))
+            ax.text(x, y, f"{rank}", ha="center", va="center", color="white", fontweight="bold", fontsize=10.5)
+        ax.set_xlim(-1.5, 1.5)
+        ax.set_ylim(-1.32, 1.32)
         ax.set_aspect("equal")
         ax.set_axis_off()
-    fig.suptitle(f"Who sends what: one all-reduce of S = {mb(size)} on {world_size} gloo processes "
-                 "(common/allreduce.py), every message recorded; arrows coloured by sender", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.94))
+        sent = bytes_sent(recording, name)
+        if len(labels) == 1:
+            arrows = "every arrow: " + labels.pop()
+        else:  # arrows that differ are listed one by one, here rather than on the crowded diagram
+            arrows = textwrap.fill("arrows: " + ", ".join(f"{sender}\u2192{receiver} {message_label(sizes)}" for (sender, receiver), sizes
+                                                          in sorted(found.items())), 58)
+        lines = [HOW[name], "", arrows,
+                 f"sent: {sent_by_ranks(sent)}",
+                 f"busiest rank sent {mib(max(sent))}; the cost model says {mib(bytes_sent_per_rank(name, size, world_size))}"]
+        middle = bottom + ROW / 2 / height
+        fig.text(DIAGRAM / WIDTH + 0.01, middle + 0.78 / height, TITLES[name], fontsize=11, fontweight="bold", va="baseline")
+        fig.text(DIAGRAM / WIDTH + 0.01, middle + 0.62 / height, "\n".join(lines), fontsize=9.5, va="top", linespacing=1.45)
+    fig.text(0.5, 1 - 0.1 / height, f"Who sends what in one all-reduce of S = {mib(size)} on {world_size} gloo processes\n"
+             "(common/allreduce.py), every message recorded; arrows coloured by sender", ha="center", va="top",
+             fontsize=10.5, linespacing=1.4)
     save(fig, path)
 
 
