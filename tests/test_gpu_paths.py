@@ -337,3 +337,21 @@ def test_gpu_check_sets_the_plan_beside_the_bert_rows():
         f"| fp32 | {row['samples_per_s']:.0f} ({base['samples_per_s']:.0f}) | {base['mfu']:.2f} | "
         f"{row['state_bytes'] / 1e9:.2f} (1.75) | 1.0 ({base['total_bytes'] / 1e9:.1f}) |")
     assert "no preset in common.plan matches NVIDIA L40S" in "\n".join(gpu_check.bert_table(measured, "NVIDIA L40S"))
+
+
+def test_gpu_check_writes_its_results_between_the_pages_markers(tmp_path):
+    import importlib.util
+    """The page keeps its own text (opening, how to run it, footer); a second run replaces the first's results."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    page = tmp_path / "gpu_results.md"
+    page.write_text((ROOT / "docs" / "gpu_results.md").read_text())
+    gpu_check.write_results(page, "## Results\n\nrow A\n")
+    gpu_check.write_results(page, "## Results\n\nrow B\n")
+    text = page.read_text()
+    assert "row B" in text and "row A" not in text and text.count("## Results") == 1
+    assert text.replace("## Results\n\nrow B\n", "") == (ROOT / "docs" / "gpu_results.md").read_text()
+    elsewhere = tmp_path / "other.md"
+    gpu_check.write_results(elsewhere, "## Results\n")
+    assert elsewhere.read_text() == "## Results\n"

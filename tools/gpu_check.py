@@ -153,10 +153,12 @@ def bert_table(bert: dict, device: str) -> list[str]:
     return lines
 
 
-def page(tests: str, mnist: dict, bert: dict, device: str, seconds: float) -> str:
-    lines = ["# Results on a GPU", "",
-             "Written by `make gpu-check` ([`tools/gpu_check.py`](../tools/gpu_check.py)); run it on a machine with",
-             "a GPU to replace this page. GB = 10^9 bytes.", "",
+RESULTS_START, RESULTS_END = "<!-- gpu-check results -->", "<!-- end gpu-check results -->"
+
+
+def results(tests: str, mnist: dict, bert: dict, device: str, seconds: float) -> str:
+    lines = ["## Results", "",
+             "Written by `make gpu-check` ([`tools/gpu_check.py`](../tools/gpu_check.py)). GB = 10^9 bytes.", "",
              f"Device: {device}, one GPU. Software: {software()}.", "",
              f"`tests/test_gpu.py`: {tests}", "",
              "MNIST: one training epoch (evaluation and start-up not counted), global batch 64.", "",
@@ -165,6 +167,16 @@ def page(tests: str, mnist: dict, bert: dict, device: str, seconds: float) -> st
         lines.append(f"| {name} | {precision} | {r['seconds']:.1f} | {r['samples_per_s']:.0f} | {r['accuracy']:.2f}% |")
     lines += ["", *bert_table(bert, device), "", f"The whole check took {seconds / 60:.1f} minutes."]
     return "\n".join(lines) + "\n"
+
+
+def write_results(path: Path, section: str) -> None:
+    """Into the page between its two markers, so that the page's own text stays; a file without them gets the
+    section alone."""
+    text = path.read_text() if path.is_file() else ""
+    if RESULTS_START in text and RESULTS_END in text:
+        before, rest = text.split(RESULTS_START, 1)
+        section = f"{before}{RESULTS_START}\n{section}{RESULTS_END}{rest.split(RESULTS_END, 1)[1]}"
+    path.write_text(section)
 
 
 def main():
@@ -182,7 +194,7 @@ def main():
     print(f"tests/test_gpu.py: {summary}", flush=True)
     mnist = mnist_rows(args.data_dir)
     bert = {precision: bert_base_row(precision, torch.device("cuda")) for precision in ("fp32", "bf16", "fp16")}
-    args.output.write_text(page(summary, mnist, bert, machine_name(torch.device("cuda", 0)), time.perf_counter() - start))
+    write_results(args.output, results(summary, mnist, bert, machine_name(torch.device("cuda", 0)), time.perf_counter() - start))
     print(args.output.read_text())
     if tests.returncode:
         sys.exit(f"error: tests/test_gpu.py failed:\n{tests.stdout[-3000:]}")

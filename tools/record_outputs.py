@@ -174,6 +174,7 @@ def clean(output, drop):
     lines = []
     for line in output.splitlines():
         line = line.split("\r")[-1].rstrip()  # a progress bar keeps only its last state
+        line = line.replace(f"{ROOT}/", "").replace(str(ROOT), ".")  # paths as a reader's clone has them
         if drop and re.search(drop, line):
             continue
         lines.append(line)
