@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LINK = re.compile(r"(\]\()([^)\s#]+)(#[^)\s]*)?(\))")
 FOOTER = re.compile(r"\n---\nPrevious: [^\n]*\n*\Z")
 LANGUAGES = {".py": "python", ".yaml": "yaml", ".yml": "yaml", ".sh": "bash", ".sbatch": "bash", ".toml": "toml"}
+SHOWN = {*LANGUAGES, ".ipynb", ".md", ".txt"}
 
 
 def generated_uri(target):
@@ -51,9 +52,9 @@ def source_page(target):
     path = ROOT / target
     if path.is_dir():
         entries = sorted(p for p in path.iterdir() if not p.name.startswith((".", "__")))
-        name = path.name
-        items = "\n".join(f"- [`{p.name}`]({name}/{p.name}.md)" for p in entries)
-        return f"# `{target}/`\n\n{items}\n", {f"{target}/{p.name}" for p in entries}
+        shown = [p for p in entries if p.is_dir() or p.suffix in SHOWN]  # text the site can show; the rest by name
+        items = "\n".join(f"- [`{p.name}`]({path.name}/{p.name}.md)" if p in shown else f"- `{p.name}`" for p in entries)
+        return f"# `{target}/`\n\n{items}\n", {f"{target}/{p.name}" for p in shown}
     if path.suffix == ".ipynb":
         links = set()
         content = rewrite_links(notebook_page(target, json.loads(path.read_text())), posixpath.dirname(target),
