@@ -244,12 +244,13 @@ def test_the_readme_is_a_map():
 
 CHAPTER_PAGES = ["mnist.md", "bert.md", "inside_ddp.md", "resume.md", "sharded.md", "lightning.md", "hsdp.md", "compression.md",
                  "compile.md"]
-EXCERPT = re.compile(r'^```python title="([^"]+)"\n(.*?)^```$', re.MULTILINE | re.DOTALL)
+EXCERPT = re.compile(r'^```(?:python|bash) title="([^"]+)"\n(.*?)^```$', re.MULTILINE | re.DOTALL)
+PAGES = sorted(path.name for path in (ROOT / "docs").glob("*.md"))
 GAP = "..."  # a line of its own in an excerpt: lines of the script left out here
 
 
 def excerpts(page):
-    """(path, lines) of each fenced block the page marks ```python title="PATH": an excerpt of that file."""
+    """(path, lines) of each fenced block the page marks ```python title="PATH" (or bash): an excerpt of that file."""
     return [(path, text.splitlines()) for path, text in EXCERPT.findall((ROOT / "docs" / page).read_text())]
 
 
@@ -266,12 +267,13 @@ def not_in(excerpt, source):
     return None
 
 
-@pytest.mark.parametrize("page, index", [(page, i) for page in CHAPTER_PAGES for i in range(len(excerpts(page)))])
+@pytest.mark.parametrize("page, index", [(page, i) for page in PAGES for i in range(len(excerpts(page)))])
 def test_each_excerpt_on_a_page_is_the_scripts_text(page, index):
+    """On every page; a rung's page shows the rung's `# STEP` lines (the debugging gallery has no marks)."""
     path, excerpt = excerpts(page)[index]
     missing = not_in(excerpt, (ROOT / path).read_text().splitlines())
     assert missing is None, f"docs/{page} shows lines of {path} that it does not hold, in this order:\n{missing}"
-    if path.startswith("src/ch4/"):
+    if page in CHAPTER_PAGES and path.removeprefix("src/ch4/") in {after for _, after in STEPS}:
         assert any(MARK in line for line in excerpt), f"docs/{page}: an excerpt of {path} with no `{MARK}` line"
 
 
