@@ -148,7 +148,8 @@ DIFF_COMMAND = re.compile(r"(?<!tools/stepdiff.py)(?<![\w/.-])diff (?:-\w+ )*(?:
 
 
 def test_readers_are_told_to_run_stepdiff_not_diff():
-    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "src" / "ch4").rglob("*.py"))]
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "src" / "ch4").rglob("*.py")),
+             *sorted((ROOT / "notebooks").glob("*.ipynb"))]
     plain = [f"{text.relative_to(ROOT)}: {line.strip()}" for text in texts for line in text.read_text().splitlines()
              if DIFF_COMMAND.search(line)]
     assert not plain, "tell readers `python tools/stepdiff.py PARENT CHILD`:\n" + "\n".join(plain)
