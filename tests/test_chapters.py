@@ -144,7 +144,7 @@ def test_plain_diff_shows_the_marks_that_stepdiff_hides():
     assert len(mark_only_changes(list(difflib.unified_diff(before, after, lineterm="")))) > 10
 
 
-DIFF_COMMAND = re.compile(r"(?<!tools/stepdiff.py)(?<![\w/.-])diff (?:-\w+ )*(?:\.\./)?src/")
+DIFF_COMMAND = re.compile(r"(?<![\w/.-])diff (?:-\w+ )*(?:\.\./)?src/")
 
 
 def test_readers_are_told_to_run_stepdiff_not_diff():
@@ -153,6 +153,8 @@ def test_readers_are_told_to_run_stepdiff_not_diff():
     plain = [f"{text.relative_to(ROOT)}: {line.strip()}" for text in texts for line in text.read_text().splitlines()
              if DIFF_COMMAND.search(line)]
     assert not plain, "tell readers `python tools/stepdiff.py PARENT CHILD`:\n" + "\n".join(plain)
+    assert DIFF_COMMAND.search("see `diff src/ch4/a.py src/ch4/b.py`")  # the control: a plain diff is found
+    assert not DIFF_COMMAND.search("python tools/stepdiff.py src/ch4/a.py src/ch4/b.py")
 
 
 def test_stepdiff_runs_as_the_pages_say():
