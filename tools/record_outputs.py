@@ -14,7 +14,8 @@ A page asks for a recording with a spec between two markers; the commands are wh
     <!-- end record -->
 
 `make docs-outputs` (this script) runs the commands of every spec in one bash shell from the repository
-root, and writes what they printed into the page between the markers and into
+root, and writes what they printed (less torchrun's notice that it set OMP_NUM_THREADS) into the page
+between the markers and into
 docs/outputs/PAGE/NAME.json, with the machine, the torch version, the date and a hash of every file that
 produced it: the files the commands name and, for Python files, the repository modules they import.
 The output goes into the page itself, not an include, so that the page reads the same on GitHub and in
@@ -48,6 +49,11 @@ NEEDS = {"gpu": "a GPU", "slurm": "a SLURM cluster (sbatch on the PATH)"}
 SOURCE = re.compile(r"(?<![\w./-])((?:src|common|benchmarks|tools|figures|slurm|tests)/[\w./-]*\.(?:py|yaml|yml|sh|sbatch))")
 MODULE = re.compile(r"(?:^|\s)-m\s+([\w.]+)")
 IMPORTED = re.compile(r"\b(?:from|import)\s+([\w.]+)")  # in `python -c "..."` commands
+
+
+# torchrun's four-line notice that it set OMP_NUM_THREADS=1, left out of every recording
+TORCHRUN_NOTICE = re.compile(r"^(?=\S)(W\d{4} \S+ \d+ \S*torch/distributed/run\.py:\d+\]\s*)?"
+                             r"(\*{5,}|Setting OMP_NUM_THREADS environment variable .*)?$")
 
 
 class SpecError(ValueError):
@@ -175,7 +181,7 @@ def clean(output, drop):
     for line in output.splitlines():
         line = line.split("\r")[-1].rstrip()  # a progress bar keeps only its last state
         line = line.replace(f"{ROOT}/", "").replace(str(ROOT), ".")  # paths as a reader's clone has them
-        if drop and re.search(drop, line):
+        if TORCHRUN_NOTICE.match(line) or (drop and re.search(drop, line)):
             continue
         lines.append(line)
     while lines and not lines[-1]:
