@@ -1,4 +1,4 @@
-"""Time one MNIST epoch several ways and print a table: the reference loop (the seed's code), step 1,
+"""Time one MNIST epoch several ways and print a table: the original loop (benchmarks/reference_mnist.py), step 1,
 step 1 with --compile (inductor) from a cold and then a warm compile cache, and DDP (a process per GPU,
 or 2 on a CPU).
 

@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch._dynamo  # noqa: F401  before any process group exists: see the note below
 import torch.distributed as dist
+from tqdm import tqdm
 
 # Every torch.optim optimizer imports torch._dynamo when it is created. Imported after a process group
 # exists, torch._dynamo holds references to it, so destroy_process_group() no longer stops gloo's
@@ -143,7 +144,7 @@ def stale_store_hint(environ=os.environ) -> str:
 
     Since torch 2.5 torchrun's c10d rendezvous lends its own TCPStore to the workers, and keeps it across
     restarts; the restarted workers find the addresses their killed predecessors wrote there and connect
-    to ports nobody listens on any more (pytorch/pytorch#135712; measured here: 2 restarts in 4 failed).
+    to ports nobody listens on any more (pytorch/pytorch#135712: a restart can fail this way).
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, set where torchrun starts, gives each restart a fresh store.
     """
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
@@ -157,11 +158,13 @@ def rank() -> int:
 
 
 def print0(*args, force: bool = False, **kwargs) -> None:
-    """print() on rank 0 only, so N processes do not print N copies; force=True prints on every rank."""
-    if force:
-        builtins.print(f"[rank {rank()}]", *args, **kwargs)
-    elif rank() == 0:
-        builtins.print(*args, **kwargs)
+    """print() on rank 0 only, so N processes do not print N copies; force=True prints on every rank. An open
+    tqdm progress bar is cleared first and drawn again below, so the line never shares the bar's line."""
+    with tqdm.external_write_mode():
+        if force:
+            builtins.print(f"[rank {rank()}]", *args, **kwargs)
+        elif rank() == 0:
+            builtins.print(*args, **kwargs)
 
 
 def processes(count: int) -> str:
