@@ -36,7 +36,9 @@ def rewrite_links(markdown, source_dir, location, wanted):
         if re.match(r"^[a-z]+:", link):
             return match.group(0)
         target = posixpath.normpath(posixpath.join(source_dir, link))
-        if target.startswith("docs/"):
+        if target == "README.md":
+            uri = "index.md"  # the site's home page
+        elif target.startswith("docs/"):
             uri = posixpath.relpath(target, "docs")
         elif (ROOT / target).exists():
             wanted.add(target)

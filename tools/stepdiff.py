@@ -11,14 +11,16 @@ adds show with their marks and the reason written after them.
 """
 import argparse
 import difflib
+import re
 import sys
 from pathlib import Path
 
 MARK = "# STEP"
+MARKED = re.compile(r"(?<!`)\s*# STEP\b.*$")  # a mark ends a line of code; "`# STEP`" in a docstring is text
 
 
 def without_mark(line):
-    return line.split(MARK)[0].rstrip()
+    return MARKED.sub("", line).rstrip()
 
 
 def matcher(before, after):
