@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
@@ -56,11 +57,17 @@ def nli_parser(doc: str, precision: bool = True, lr: float = 5e-5, max_steps: in
     return parser
 
 
+# transformers 4.56 renamed torch_dtype to dtype; since 5, leaving it out loads the dtype the folder was saved in
+DTYPE_ARGUMENT = "dtype" if tuple(int(part) for part in re.findall(r"\d+", transformers.__version__)[:2]) >= (4, 56) else "torch_dtype"
+
+
 def load_model_and_tokenizer(name: str):
-    """A sequence classifier with a fresh 3-label head, and its tokenizer."""
+    """A sequence classifier with a fresh 3-label head, and its tokenizer. The weights are loaded in fp32
+    whatever the folder was saved in: the precision is --precision's (autocast), never the checkpoint's."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=len(LABELS))
+        model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=len(LABELS),
+                                                                   **{DTYPE_ARGUMENT: torch.float32})
     except (OSError, ValueError) as error:  # not cached and no hub, or not a model folder
         sys.exit(f"error: could not load the model '{name}' ({str(error).strip().splitlines()[0]}); "
                  f"pass --model with a local folder that holds config.json, the weights and the tokenizer files.")

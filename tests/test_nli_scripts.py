@@ -172,3 +172,17 @@ def test_loss_in_forward_under_data_parallel(tiny_bert):
     inside = nn.DataParallel(LossInForward(model, nn.CrossEntropyLoss()))(input_ids=ids, labels=labels).mean()
     torch.testing.assert_close(inside, outside)
     torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, outside)  # the HuggingFace route
+
+
+def test_a_model_saved_in_bf16_trains_in_fp32(tiny_bert, tmp_path):
+    """transformers 5 loads the dtype a folder was saved in unless told; the scripts' precision is autocast over
+    fp32 weights, so a bf16 folder must come back fp32 (else --precision fp32 trains in pure bf16)."""
+    import shutil
+    from transformers import AutoModelForSequenceClassification
+    from common.nli import load_model_and_tokenizer
+    shutil.copytree(tiny_bert, tmp_path / "bf16")
+    AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=3).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    as_saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "bf16", num_labels=3)
+    assert next(as_saved.parameters()).dtype == torch.bfloat16  # the control: the folder really is bf16
+    model, _ = load_model_and_tokenizer(str(tmp_path / "bf16"))
+    assert {parameter.dtype for parameter in model.parameters()} == {torch.float32}
