@@ -3,6 +3,7 @@
 #   make test   # creates .venv if missing, installs the project, runs the test suite
 #   make figures  # redraws every figure in docs/images/ from the code and from real runs (figures/, a few minutes)
 #   make gpu-check  # on a machine with a GPU: tests/test_gpu.py and the GPU benchmark rows into docs/gpu_results.md
+#   make gpu-check-offline  # the same on a GPU machine with no package index: its own python3, no venv (make gpu-wheels first, here)
 #   make docs       # builds the site into site/ with MkDocs (--strict); make docs-serve to read it on localhost:8000
 #   make docs-outputs  # reruns every command the pages quote and records what it printed into the pages (slow)
 # DATA_DIR=path/with/MNIST/raw uses a local copy of MNIST instead of downloading it into ./data.
@@ -31,6 +32,25 @@ test: $(VENV)/.installed
 # Without a GPU it says so in one sentence and exits 0. MNIST must be on this machine (DATA_DIR).
 gpu-check: $(VENV)/.installed
 	$(BIN)/python tools/gpu_check.py --data-dir $(DATA_DIR)
+
+# A GPU machine with no package index: its own python3 as it is (no venv, the project on PYTHONPATH, nothing
+# installed), plus from .gpu/wheels only what it lacks (pip --no-index --no-deps into .gpu/site): tools/gpu_offline.py.
+# make gpu-wheels, on a machine with the index, downloads those wheels for the GPU machine's Python (GPU_PYTHON_VERSION):
+# datasets and the two of its needs a GPU image usually lacks, about 0.9 MB. Carry .gpu/wheels and DATA_DIR along.
+GPU_PYTHON ?= python3
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEELS ?= .gpu/wheels
+GPU_WHEEL_SPECS ?= datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+GPU_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
+
+.PHONY: gpu-check-offline gpu-wheels
+
+gpu-check-offline:
+	$(GPU_PYTHON) tools/gpu_offline.py --wheels $(GPU_WHEELS) -- --data-dir $(DATA_DIR)
+
+gpu-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --implementation cp --python-version $(GPU_PYTHON_VERSION) \
+		$(GPU_PLATFORMS) -d $(GPU_WHEELS) $(GPU_WHEEL_SPECS)
 
 benchmark: $(VENV)/.installed
 	$(BIN)/python benchmarks/mnist_speed.py --data-dir $(DATA_DIR) --plot docs/images/mnist_speed_cpu.png

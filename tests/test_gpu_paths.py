@@ -355,3 +355,157 @@ def test_gpu_check_writes_its_results_between_the_pages_markers(tmp_path):
     elsewhere = tmp_path / "other.md"
     gpu_check.write_results(elsewhere, "## Results\n")
     assert elsewhere.read_text() == "## Results\n"
+
+
+# ---- gpu_check --cpu: every row's code path and the page writer, on the CPU ----
+
+def load_gpu_check(name="gpu_check", planted=None):
+    """tools/gpu_check.py as a module; planted=(old, new) loads its text with old replaced by new (once), as if the
+    file said so, to show that a test catches that regression."""
+    import importlib.util
+    import types
+    path = ROOT / "tools" / "gpu_check.py"
+    if planted is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    source = path.read_text()
+    assert source.count(planted[0]) == 1, f"{planted[0]!r} is not in tools/gpu_check.py once"
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    exec(compile(source.replace(*planted), str(path), "exec"), module.__dict__)
+    return module
+
+
+def assert_every_row_measured(page: str, gpu_check, data_dir):
+    """Each MNIST and BERT row of the check is in the page with numbers; the ones the CPU runs in another
+    precision say so."""
+    rows = [line for line in page.splitlines() if line.startswith("| ")]
+    for name, precision in gpu_check.mnist_runs(str(data_dir), torch.device("cpu")):
+        line = next((line for line in rows if line.startswith(f"| {name} | {precision}")), None)
+        assert line is not None, f"no row for {name} ({precision}):\n{page}"
+        assert re.search(r"\| [\d.]+ \| \d+ \| [\d.]+% \|$", line), line
+        assert ("ran in" in line) == (precision == "fp16"), line
+    for precision in ("fp32", "bf16", "fp16"):
+        line = next((line for line in rows if line.startswith(f"| {precision}")), None)
+        assert line is not None and re.match(rf"\| {precision}[^|]* \| \d+ \|", line), f"BERT {precision}:\n{page}"
+
+
+def test_gpu_check_cpu_runs_every_row_and_writes_the_page(run_command, tmp_path):
+    """`gpu_check.py --cpu`: each MNIST row a real run of its script as the GPU run starts it (on a tiny MNIST),
+    the BERT rows' code at toy size, and the page written between its markers; the fp16 rows run in the CPU's
+    precision and say so. measure(command) without its env (issue 34's crash) fails here: the next test."""
+    from mnist_files import write_tiny_mnist
+    data = write_tiny_mnist(tmp_path, train_size=64, test_size=16)
+    page = tmp_path / "gpu_results.md"
+    page.write_text((ROOT / "docs" / "gpu_results.md").read_text())
+    result = run_command(PYTHON, "tools/gpu_check.py", "--cpu", "--data-dir", data, "--output", page, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = page.read_text()
+    assert_every_row_measured(text, load_gpu_check(), data)
+    assert "`tests/test_gpu.py`: not run" in text and "the CPU (`--cpu`" in text
+    own = (ROOT / "docs" / "gpu_results.md").read_text()
+    assert text.split("<!-- gpu-check results -->")[0] == own.split("<!-- gpu-check results -->")[0]
+    assert text.split("<!-- end gpu-check results -->")[1] == own.split("<!-- end gpu-check results -->")[1]
+
+
+def test_gpu_check_cpu_catches_measure_called_without_its_env(tmp_path):
+    """The negative control: gpu_check.py as it was (measure(command), no env) makes every MNIST row fail with
+    the TypeError, written as a failed row; the page check of the test above rejects that page, and main exits
+    non-zero. Nothing is started: the call fails before any process."""
+    from mnist_files import write_tiny_mnist
+    data = write_tiny_mnist(tmp_path, train_size=64, test_size=16)
+    planted = load_gpu_check("gpu_check_planted", ("measure(command, env)", "measure(command)"))
+    page = tmp_path / "gpu_results.md"
+    with pytest.raises(SystemExit) as stopped:
+        planted.main(["--cpu", "--data-dir", str(data), "--output", str(page)])
+    assert "5 row(s) failed, each written with its reason" in str(stopped.value.code)
+    text = page.read_text()
+    assert text.count("| failed: TypeError: measure() missing 1 required positional argument: 'env' |") == 5, text
+    with pytest.raises(AssertionError):
+        assert_every_row_measured(text, planted, data)
+
+
+def test_gpu_check_writes_a_failed_row_with_its_one_line_reason():
+    """A run that exits non-zero (measure's sys.exit, with the end of its stderr), a run past its time limit and
+    any exception each become one line for the table; the other rows still run (mnist_rows catches per row)."""
+    gpu_check = load_gpu_check()
+    stderr = "Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: CUDA error: out of memory | x\n"
+    assert gpu_check.one_line(SystemExit(f"error: python x.py failed:\n{stderr}")) == \
+        "RuntimeError: CUDA error: out of memory \\| x"
+    assert gpu_check.one_line(subprocess.TimeoutExpired(["python", "x.py"], 1800)) == "did not finish within 1800 s"
+    assert gpu_check.one_line(AttributeError("'NoneType' object has no attribute 'groups'\nmore")) == \
+        "AttributeError: 'NoneType' object has no attribute 'groups'"
+    mnist = {("MNIST epoch: x", "fp32"): {"failed": "did not finish within 1800 s", "ran_as": "fp32"}}
+    bert = {"fp16": {"failed": "OutOfMemoryError: CUDA out of memory.", "ran_as": "fp16"}}
+    page = gpu_check.results("3 passed in 1.0s", mnist, bert, "NVIDIA H100 80GB HBM3", 60.0)
+    assert "| MNIST epoch: x | fp32 | failed: did not finish within 1800 s | | |" in page
+    assert "| fp16 | failed: OutOfMemoryError: CUDA out of memory. | | | |" in page
+    assert gpu_check.failed_rows(mnist, bert) == ["MNIST epoch: x (fp32)", "BERT-base fp16"]
+
+
+def test_gpu_check_records_a_pytest_timeout_as_a_line():
+    """tests/test_gpu.py past its time limit: a line for the page and one sentence to exit with, no traceback."""
+    gpu_check = load_gpu_check()
+    summary, problem, _ = gpu_check.run_gpu_tests(dict(os.environ), timeout=0.01)
+    assert summary == "did not finish within 0.01 s (stopped)"
+    assert problem == "tests/test_gpu.py did not finish within 0.01 s (stopped)."
+
+
+H100_LISTING = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0bb1c2d3-e4f5-6789-abcd-ef0123456789)\n"
+
+
+def test_gpu_check_stops_loudly_when_torch_misses_the_gpus_nvidia_smi_lists():
+    """A torch built for a newer CUDA than the driver sees no GPU: that is an error, not 'no GPU'; unless
+    CUDA_VISIBLE_DEVICES is empty on purpose (as in the CPU suite), or nvidia-smi lists none or is missing."""
+    gpu_check = load_gpu_check()
+    decide = gpu_check.gpu_decision
+    status, sentence = decide(H100_LISTING, {}, 0, "2.11.0+cu130", "13.0")
+    assert status == 1 and "\n" not in sentence and sentence.endswith(".")
+    assert sentence.startswith("error: nvidia-smi lists 1 GPU(s) but torch 2.11.0+cu130 (built for CUDA 13.0) sees none")
+    assert "CUDA_VISIBLE_DEVICES=7" in decide(H100_LISTING, {"CUDA_VISIBLE_DEVICES": "7"}, 0)[1]
+    assert "built without CUDA" in decide(H100_LISTING, {}, 0, "2.11.0+cpu", None)[1]
+    assert decide(H100_LISTING, {"CUDA_VISIBLE_DEVICES": ""}, 0) == (0, gpu_check.NO_GPU)
+    assert decide(None, {}, 0) == decide("", {}, 0) == (0, gpu_check.NO_GPU)
+    assert decide(H100_LISTING, {}, 1) is None
+    mig = H100_LISTING + "  MIG 1g.10gb     Device  0: (UUID: MIG-0123)\n" + H100_LISTING.replace("GPU 0", "GPU 1")
+    assert gpu_check.listed_gpus(mig) == 2
+
+
+def test_gpu_check_names_the_gpus_for_the_gpu_tests():
+    """With CUDA_VISIBLE_DEVICES unset, tests/test_gpu.py would find the GPUs only through nvidia-smi on the PATH:
+    gpu_check names the ones torch sees; a set value stays; the repository is on PYTHONPATH (no install)."""
+    gpu_check = load_gpu_check()
+    env = gpu_check.gpu_tests_env({"CPU_SUITE_SESSION_CUDA_VISIBLE_DEVICES": "unset", "PYTHONPATH": "/x"}, 2, "/cache")
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and "CPU_SUITE_SESSION_CUDA_VISIBLE_DEVICES" not in env
+    assert env["PYTHONPATH"] == f"{ROOT}{os.pathsep}/x" and env["TORCHINDUCTOR_CACHE_DIR"] == "/cache"
+    assert gpu_check.gpu_tests_env({"CUDA_VISIBLE_DEVICES": "1"}, 1, "/cache")["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+@pytest.mark.parametrize("summary, returncode, says", [
+    ("14 skipped in 0.52s", 0, "every test of tests/test_gpu.py skipped (14 skipped in 0.52s)"),
+    ("no tests ran in 0.01s", 5, "no test of tests/test_gpu.py ran"),
+    ("1 failed, 12 passed, 1 skipped in 80.1s", 1, "tests/test_gpu.py failed (1 failed, 12 passed, 1 skipped in 80.1s)."),
+    ("2 errors, 12 skipped in 3.0s", 1, "tests/test_gpu.py failed"),
+    ("13 passed, 1 skipped in 80.1s", 0, None)])
+def test_gpu_check_fails_when_every_gpu_test_skipped(summary, returncode, says):
+    problem = load_gpu_check().tests_problem(summary, returncode)
+    assert problem == says if says is None else problem.startswith(says), problem
+
+
+def test_offline_gpu_check_installs_only_what_the_machine_lacks(tmp_path):
+    """make gpu-check-offline on the lent GPU machine's python3 (everything but datasets, dill, multiprocess):
+    their wheels only; a core package missing with no wheel stops it; datasets missing with no wheel only
+    warns (its rows do not import it, tests/test_gpu.py's BERT tests do)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_offline", ROOT / "tools" / "gpu_offline.py")
+    offline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(offline)
+    wheels = [tmp_path / name for name in ("datasets-5.2.0-py3-none-any.whl", "dill-0.4.1-py3-none-any.whl",
+                                           "multiprocess-0.70.19-py312-none-any.whl", "pytest_xdist-3.8.0-py3-none-any.whl")]
+    lent = lambda module: module not in ("datasets", "dill", "multiprocess")  # noqa: E731
+    assert offline.plan(lent, wheels) == (wheels[:3], [], [])
+    assert offline.plan(lambda module: module not in ("datasets", "xdist"), wheels) == ([wheels[3], wheels[0]], [], [])
+    assert offline.plan(lambda module: module != "torchvision", wheels) == ([], ["torchvision"], [])
+    assert offline.plan(lent, []) == ([], [], ["datasets", "dill", "multiprocess"])
