@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.accumulation import count_all_reduces
 from common.bucketing import BucketedDataParallel, linear_stack
 from common.spawn import run_in_process_group
-from plotting import bar_chart
+from plotting import bar_chart, where_measured
 
 CONFIGS = [("ours, one bucket after backward", None), ("ours, 1 MiB buckets", 1), ("ours, 4 MiB buckets", 4),
            ("ours, 16 MiB buckets", 16), ("ours, 25 MiB buckets", 25), ("torch DDP, bucket_cap_mb=25", "ddp")]
@@ -63,7 +63,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--plot", help="also save a bar chart to this PNG")
-    parser.add_argument("--title", default="Step time vs bucket size", help="plot title, e.g. the machine's name")
+    parser.add_argument("--title", default="Step time vs bucket size",
+                        help="plot title; the processes and the machine's name are added after it")
     args = parser.parse_args()
     gradient_mb = args.layers * (args.width + 1) * args.width * 4 / 2**20
     print(f"{args.layers} x Linear({args.width}, {args.width}): {gradient_mb:.0f} MiB of gradients, "
@@ -76,7 +77,8 @@ def main():
     if args.plot:
         bar_chart({name: seconds * 1e3 for name, (seconds, _) in results.items()},
                   [f"{seconds * 1e3:.0f} ms" for seconds, _ in results.values()],
-                  "milliseconds per training step (lower is better)", args.title, args.plot)
+                  "milliseconds per training step (lower is better)",
+                  f"{args.title}, {args.nproc} gloo processes {where_measured()}", args.plot)
 
 if __name__ == "__main__":
     main()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from common.cli import mnist_parser
 from common.distributed import processes_for_this_machine, processes_note
-from plotting import bar_chart
+from plotting import bar_chart, where_measured
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ def runs(data_dir: str, nproc: int) -> dict[str, tuple[str, list[str]]]:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     single = [sys.executable, "src/ch4/mnist_1_single.py", "--data-dir", data_dir]
     return {
-        "reference": ("reference loop (per-sample transforms, fp32)",
+        "reference": ("original loop (per-sample transforms, fp32)",
                       [sys.executable, "benchmarks/reference_mnist.py", "--data-dir", data_dir]),
         "single": ("mnist_1_single.py", single),
         "compiled-cold": ("mnist_1_single.py --compile, cold cache", [*single, "--compile"]),
@@ -79,7 +79,8 @@ def main():
                         help="which runs, in this order (default: all); compiled-warm reuses the cache compiled-cold "
                              "filled, or is cold itself without it")
     parser.add_argument("--plot", help="also save a bar chart to this PNG")
-    parser.add_argument("--title", default="One MNIST epoch", help="plot title, e.g. the machine's name")
+    parser.add_argument("--title", default="One MNIST epoch",
+                        help="plot title; the machine's name (GPUs where there are) is added after it")
     args = parser.parse_args()
     if args.nproc is None and "ddp" in args.runs:
         global_batch = mnist_parser("").get_default("batch_size")
@@ -98,7 +99,8 @@ def main():
     if args.plot:
         bar_chart({name: r["seconds"] for name, r in results.items()},
                   [f"{r['seconds']:.0f} s ({r['wall']:.0f} s wall), {r['accuracy']:.2f}%" for r in results.values()],
-                  "seconds for one training epoch (lower is better)", args.title, args.plot)
+                  "seconds for one training epoch (lower is better)", f"{args.title}, {where_measured(gpus=True)}",
+                  args.plot)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from common.distributed import processes_for_this_machine, processes_note
-from plotting import bar_chart
+from plotting import bar_chart, where_measured
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("the a man woman people child dog group of in on at with is are was were not no some two three "
@@ -61,7 +61,8 @@ def main():
                         help="processes for ddp.py (default: one per GPU, or 2 on a CPU, as many as divide --batch-size)")
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--plot", help="also save a bar chart of samples/s to this PNG")
-    parser.add_argument("--title", default="BERT fine-tuning throughput", help="plot title, e.g. the machine")
+    parser.add_argument("--title", default="BERT fine-tuning throughput",
+                        help="plot title; the machine's name (GPUs where there are) is added after it")
     args = parser.parse_args()
     if args.steps < args.warmup + 2:
         parser.error(f"--steps must be at least --warmup + 2 = {args.warmup + 2}, so that timed steps remain")
@@ -92,7 +93,8 @@ def main():
     if args.plot:
         bar_chart({name: r["samples_per_s"] for name, r in results.items()},
                   [f"{r['samples_per_s']:.1f} samples/s" for r in results.values()],
-                  "training samples per second (higher is better)", args.title, args.plot)
+                  "training samples per second (higher is better)", f"{args.title}, {where_measured(gpus=True)}",
+                  args.plot)
 
 
 if __name__ == "__main__":

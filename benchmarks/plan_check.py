@@ -3,7 +3,7 @@
 For each world size N it starts N gloo processes and, in them,
   - measures the two inputs the plan needs for a CPU: the FLOP/s one process reaches in a matrix product
     of the model's shape while all N run at once (they share the cores), and the loopback link's
-    bandwidth and latency, fitted to the ring's cost model from all-reduces of 4 KB and 16 MB;
+    bandwidth and latency, fitted to the ring's cost model from all-reduces of 4 KiB and 16 MiB;
   - times the same training step with no wrapper and no collective, all N at once: the compute alone.
     The plan's MFU is calibrated on it (the step's FLOPs over that time, over the matrix product's
     FLOP/s): on a CPU most of a small model's step is not matrix products (layer norms, softmax, GELU,

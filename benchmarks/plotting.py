@@ -1,4 +1,17 @@
-"""The one chart the benchmarks draw: labelled horizontal bars, lower is better."""
+"""The one chart the benchmarks draw: labelled horizontal bars, lower is better. Every measured plot's
+title names the machine (common.machine.machine_name; where_measured says it for a title)."""
+
+
+def where_measured(gpus: bool = False) -> str:
+    """'on one <machine>' for a plot title: the GPU (and how many) when the runs use GPUs and CUDA is
+    there, the CPU otherwise."""
+    import torch
+
+    from common.machine import machine_name
+    if gpus and torch.cuda.is_available():
+        count, name = torch.cuda.device_count(), machine_name(torch.device("cuda", 0))
+        return f"on {count} x {name}" if count > 1 else f"on one {name}"
+    return f"on one {machine_name()}"
 
 
 def finish(fig, path: str, title: str | None = None) -> None:
@@ -22,8 +35,24 @@ def bar_chart(values: dict[str, float], annotations: list[str], xlabel: str, tit
     ax.set_xlabel(xlabel)
     ax.set_title(title)
     fit_labels(fig, ax, labels)
+    fit_title(fig, ax)
     fig.savefig(path, dpi=120)
     print(f"saved {path}")
+
+
+def fit_title(fig, ax) -> None:
+    """Wrap a title that runs off the figure (a long machine name) onto more lines; call it once the
+    layout is done, since the title is centred over the axes, not the figure."""
+    import textwrap
+    text = ax.title.get_text()
+    chars = max(map(len, text.splitlines()))
+    for _ in range(8):
+        box = ax.title.get_window_extent(fig.canvas.get_renderer())
+        if box.x0 >= 0 and box.x1 <= fig.bbox.width:
+            return
+        chars = max(20, int(chars * 0.85))
+        ax.title.set_text("\n".join(wrapped for line in text.splitlines() for wrapped in textwrap.wrap(line, chars)))
+        fig.tight_layout()
 
 
 def fit_labels(fig, ax, labels) -> None:
@@ -76,5 +105,6 @@ def stacked_memory_chart(rows, runs: list[str], title: str, path: str) -> None:
     ax.set_title(title)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: inside it hid the N=4 peaks
     fig.tight_layout()
+    fit_title(fig, ax)
     fig.savefig(path, dpi=120)
     print(f"saved {path}")

@@ -8,13 +8,15 @@ For each world size N it starts N gloo processes on this machine and trains a BE
     the others after a step;
   - peak memory above the start: the process's peak resident set (Linux VmHWM, reset through
     /proc/self/clear_refs before each wrapper's model is built) minus its resident set at that moment.
-    glibc's mmap threshold is fixed at 64 KB (MALLOC_MMAP_THRESHOLD_) so that a freed tensor goes
+    glibc's mmap threshold is fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_) so that a freed tensor goes
     back to the system at once and the peak follows live tensors, not the allocator's free lists;
   - the median step time, the slowest rank's, and its ratio to DDP's in the same run.
 The formula (ZeRO paper, fp32 with AdamW; common.plan.memory_bytes): 4Ψ parameters + 4Ψ gradients + 8Ψ optimizer state on every
 rank under DDP; ZeRO-1 divides the optimizer term by N, ZeRO-2 the gradients too, ZeRO-3 (and FSDP2)
 all three. (In mixed precision it is 2Ψ + 2Ψ + 12Ψ: bf16 weights and gradients, and an fp32 master
 copy with the two moments; these wrappers train in fp32.)
+Sizes are in binary units, as the table's header line says: MiB = 2**20 bytes (KiB = 2**10 for a
+model too small for MiB), in the table, the peak and the plot alike.
 
     python benchmarks/sharded_memory.py --model path/to/all-MiniLM-L6-v2/model --plot docs/images/sharded_memory_cpu.png
 """
@@ -34,7 +36,7 @@ from common.spawn import run_in_process_group
 from common.zero import ZeRO
 
 RUNS = {"DDP": "ddp", "ZeRO-1": "zero1", "ZeRO-2": "zero2", "ZeRO-3": "zero3", "FSDP2": "fsdp"}  # -> common.plan's
-MB = 2**20
+MiB, KiB = 2**20, 2**10  # the table's and the plot's units; /proc's VmRSS and VmHWM count KiB too
 
 
 def storage_bytes(tensors) -> int:
@@ -140,7 +142,8 @@ def main():
     parser.add_argument("--length", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is left out of the timing")
     parser.add_argument("--plot", help="also save a figure of the bytes per rank to this PNG")
-    parser.add_argument("--title", default="Memory per rank", help="plot title, e.g. the machine")
+    parser.add_argument("--title", default="Memory per rank",
+                        help="plot title; the machine's name is added after it")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2: the first step is left out of the timing")
@@ -156,10 +159,10 @@ def main():
             peaks = [rank["peak_mb"] for rank in ranks]
             worst["peak_mb"] = None if None in peaks else max(peaks)
             rows.append((world_size, run, worst, memory_bytes(RUNS[run], psi, world_size, "fp32")))
-    unit, size = ("MB", MB) if 4 * psi >= 10 * MB else ("KB", 2**10)
+    unit, size = ("MiB", MiB) if 4 * psi >= 10 * MiB else ("KiB", KiB)
     print(f"Ψ = {psi:,} parameters; {unit} = {size:,} bytes; measured (formula), the largest over ranks")
     print(f"| ranks | run | parameters {unit} | gradients {unit} | optimizer state {unit} | optimizer / formula "
-          "| peak above start MB | s per step | step time vs DDP |")
+          "| peak above start MiB | s per step | step time vs DDP |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     ddp_time = {n: worst["step_s"] for n, run, worst, _ in rows if run == "DDP"}
     for world_size, run, worst, formula in rows:
@@ -168,8 +171,8 @@ def main():
         print(f"| {world_size} | {run} | {' | '.join(cells)} | {worst['optimizer'] / formula[2]:.3f} | {peak} "
               f"| {worst['step_s']:.3f} | {worst['step_s'] / ddp_time[world_size]:.2f}x |")
     if args.plot:
-        from plotting import stacked_memory_chart
-        stacked_memory_chart(rows, RUNS, args.title, args.plot)
+        from plotting import stacked_memory_chart, where_measured
+        stacked_memory_chart(rows, RUNS, f"{args.title}, gloo processes {where_measured()}", args.plot)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Figure: which parameters share a gradient bucket, in ours (common/bucketing.py) and in torch's DDP.
 
-Drawn for BasicNet at the default bucket_cap_mb=25; recorded also for the tests' tiny BERT
-(tests/nli_files.py's configuration, 94 KB of parameters) at bucket_cap_mb=0.02, so that the tests
-check a model that needs several buckets. Ours:
+Drawn for BasicNet (4.58 MiB of parameters) at the default bucket_cap_mb=25; recorded also for the
+tests' tiny BERT (tests/nli_files.py's configuration, 91.6 KiB of parameters) at bucket_cap_mb=0.02,
+so that the tests check a model that needs several buckets. bucket_cap_mb is in MiB (2**20 bytes),
+and the figure labels sizes in MiB and KiB. Ours:
 BucketedDataParallel(...).buckets, filled in reverse parameter order, closed before a parameter
 would overflow the cap. DDP's: recorded by a communication hook (GradBucket.parameters()) in two
 backward passes (of three) in a real gloo group: the first uses one bucket for everything, then DDP rebuilds
-its buckets in the order the gradients really arrived, with a 1 MB first bucket at the default cap,
+its buckets in the order the gradients really arrived, with a 1 MiB first bucket at the default cap,
 closing a bucket once it reaches the cap. DDP's own _get_ddp_logging_data() (bucket_sizes,
 rebuilt_bucket_sizes) is recorded beside it, and the tests check that both agree.
 
@@ -82,8 +83,8 @@ def record(rank: int, world_size: int) -> dict:
 
 def human(size: float) -> str:
     if size >= 2**20:
-        return f"{size / 2**20:.2f} MB"
-    return f"{size / 2**10:.1f} KB" if size >= 2**10 else f"{size} B"
+        return f"{size / 2**20:.2f} MiB"
+    return f"{size / 2**10:.1f} KiB" if size >= 2**10 else f"{size} B"
 
 
 def draw_column(ax, x: float, top: int, buckets: list[list[str]], sizes: dict, title: str) -> None:
@@ -115,7 +116,7 @@ def draw(layouts: dict, path) -> None:
     for column, (title, buckets) in enumerate(columns):
         draw_column(ax, column * 1.45, rows, buckets, layout["sizes"], title)
     ax.set_title(f"BasicNet: {human(sum(layout['sizes'].values()))} of gradients, bucket_cap_mb={cap:g}, first bucket "
-                 "at the top.\nDDP rebuilt: a 1 MB first bucket, then 25 MB, each closed once full; ours: closed before "
+                 "at the top.\nDDP rebuilt: a 1 MiB first bucket, then 25 MiB, each closed once full; ours: closed before "
                  "overflowing", fontsize=9)
     ax.set_xlim(-0.05, 3 * 1.45)
     ax.set_ylim(-0.2, rows + 1.2)

@@ -15,7 +15,7 @@ from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
 STEPS = [  # what happens, where in the code; one color per actor
     ("SIGTERM / SIGUSR1\nsets a flag", "StopSignal", 3),
-    ("all ranks agree at\nthe step boundary", "4-byte all-reduce\nevery step", 0),
+    ("all ranks agree at\nthe step boundary", "8-byte all-reduce\nevery step", 0),
     ("rank 0 writes\nstep-N.pt.tmp", "Checkpoints.save", 0),
     ("flush + fsync\nthe file", "os.fsync", 0),
     ("rename to step-N.pt,\nfsync the folder", "atomic os.replace", 0),

@@ -10,7 +10,9 @@ moment the last gradient was ready. Per step:
   exposed communication      the rest of backward (DDP waits for its all-reduces there) plus
                              wait_for_gradients() (ours): time the step waits on the network alone
   optimizer                  the optimizer range (SGD step and zero_grad)
-Bars: the median over the profiled steps, averaged over the two ranks.
+Bars: the median over the profiled steps, averaged over the two ranks. bucket_cap_mb is in MiB
+(2**20 bytes): the bars say "1 MiB buckets"; the recording keeps overlap_timeline's configuration
+names ("1 MB"), which the tests read.
 
     python figures/step_time_breakdown.py       # docs/images/step_time_breakdown.png
     python figures/step_time_breakdown.py --toy # seconds: 4 x Linear(256, 256), 2 steps
@@ -30,6 +32,8 @@ from style import COLORS, IMAGES, parser, plt, save, stacked_milliseconds
 CONFIGURATIONS = {"each process alone (no communication)": "alone", **CONFIGS}
 PHASES = ["forward", "backward", "exposed communication", "optimizer"]
 STEPS = {"default": 10, "toy": 2}
+LABELS = {"ours, 1 MB buckets": "ours, 1 MiB buckets", "ours, 25 MB buckets": "ours, 25 MiB buckets",
+          "torch DDP (bucket_cap_mb=25)": "torch DDP (bucket_cap_mb=25, in MiB)"}  # displayed; the keys stay
 
 
 def ranges(events, name: str) -> list[tuple[float, float]]:
@@ -80,7 +84,7 @@ def averaged(recording: dict) -> dict[str, dict[str, float]]:
 
 
 def draw(recording: dict, path) -> None:
-    bars = averaged(recording)
+    bars = {LABELS.get(name, name): phases for name, phases in averaged(recording).items()}
     fig, ax = plt.subplots(figsize=(11, 2.2 + 0.5 * len(bars)))
     stacked_milliseconds(ax, bars, PHASES, [COLORS[7], COLORS[0], COLORS[3], COLORS[2]],
                          "milliseconds per training step (median of the profiled steps, mean of the ranks)")

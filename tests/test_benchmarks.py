@@ -28,7 +28,7 @@ def test_mnist_speed_runs_the_demo_and_the_reference(run_command, tiny_mnist, tm
     plot = tmp_path / "mnist.png"
     result = run_command(PYTHON, "benchmarks/mnist_speed.py", "--data-dir", tiny_mnist,
                          "--runs", "reference", "single", "ddp", "--plot", plot, timeout=300)
-    assert_table_and_plot(result, plot, "reference loop (per-sample transforms, fp32)", "mnist_1_single.py",
+    assert_table_and_plot(result, plot, "original loop (per-sample transforms, fp32)", "mnist_1_single.py",
                           "mnist_3_ddp.py, 2 processes")
 
 
@@ -47,12 +47,12 @@ def test_allreduce_speed(run_command, tmp_path):
     plot = tmp_path / "allreduce.png"
     result = run_command(PYTHON, "benchmarks/allreduce_speed.py", "--world-sizes", "2", "3", "--max-mb", "0.01",
                          "--plot", plot)
-    assert_table_and_plot(result, plot, "3 | 4 KB | ring")
+    assert_table_and_plot(result, plot, "3 | 4 KiB | ring")
     rows = [line for line in result.stdout.splitlines() if line.startswith("| 2 |") or line.startswith("| 3 |")]
-    assert len(rows) == 2 * 2 * 4  # 2 world sizes x 2 sizes (1 and 4 KB) x 4 algorithms
+    assert len(rows) == 2 * 2 * 4  # 2 world sizes x 2 sizes (1 and 4 KiB) x 4 algorithms
     assert all(line.endswith("| yes |") for line in rows), result.stdout  # each summed exactly
     from common.allreduce import bytes_sent_per_rank
-    ring_3_4k = next(line for line in rows if line.startswith("| 3 | 4 KB | ring |")).split(" | ")
+    ring_3_4k = next(line for line in rows if line.startswith("| 3 | 4 KiB | ring |")).split(" | ")
     assert float(ring_3_4k[5]) == round(bytes_sent_per_rank("ring", 4096, 3) / 2**20, 2)
 
 
@@ -61,7 +61,7 @@ def test_bucketing_speed(run_command, tmp_path):
     result = run_command(PYTHON, "benchmarks/bucketing_speed.py", "--layers", "4", "--width", "256", "--batch", "4",
                          "--steps", "2", "--nproc", "2", "--plot", plot)
     assert_table_and_plot(result, plot, "torch DDP, bucket_cap_mb=25")
-    rows = table_rows(result.stdout, "ours")  # 4 layers of 0.25 MB: 1 MiB buckets need two all-reduces
+    rows = table_rows(result.stdout, "ours")  # 4 layers of 0.25 MiB: 1 MiB buckets need two all-reduces
     assert {name: row[1] for name, row in rows.items()} == {
         "ours, one bucket after backward": "1", "ours, 1 MiB buckets": "2", "ours, 4 MiB buckets": "1",
         "ours, 16 MiB buckets": "1", "ours, 25 MiB buckets": "1"}

@@ -146,10 +146,10 @@ def test_bucket_figure_matches_ddp_and_ours(two, tmp_path, tiny_bert):
         assert layout["logged"]["bucket_sizes"] == str(sum(sizes.values()))
         assert sorted(sum(rebuilt, [])) == sorted(sizes) == sorted(sum(layout["ours"], []))
     basicnet = layouts["BasicNet"]
-    assert basicnet["ddp_rebuilt"][0] == ["fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"]  # the 1 MB first bucket, overflowed
+    assert basicnet["ddp_rebuilt"][0] == ["fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"]  # the 1 MiB first bucket, overflowed
     model = BasicNet()
     assert sum(basicnet["ours"], []) == [n for n, _ in model.named_parameters()][::-1]
-    assert len(basicnet["ours"]) == 1  # 4.8 MB < 25 MB
+    assert len(basicnet["ours"]) == 1  # 4.58 MiB < 25 MiB
     config = json.loads((tiny_bert / "config.json").read_text())
     assert {key: config[key] for key in bucket_assignment.TINY_BERT if key != "num_labels"} == {
         key: value for key, value in bucket_assignment.TINY_BERT.items() if key != "num_labels"}
@@ -200,7 +200,7 @@ def test_overlap_timeline_at_toy_size(two, tmp_path):
     for timeline in recording["timelines"]["ours, one bucket after backward"]:
         assert timeline["launch"] == {0: max(timeline["ticks"])}  # one all-reduce, launched by the last gradient
     for timeline in recording["timelines"]["ours, 1 MB buckets"]:
-        assert len(timeline["launch"]) == 2  # 4 layers of 256 KB: the first bucket starts while backward goes on
+        assert len(timeline["launch"]) == 2  # 4 layers of 256 KiB: the first bucket starts while backward goes on
         assert timeline["launch"][0] < max(timeline["ticks"])
     overlap_timeline.draw(recording, tmp_path / "overlap.png")
     assert (tmp_path / "overlap.png").stat().st_size > 0
