@@ -1,4 +1,4 @@
-"""The reference loop the MNIST benchmark compares against: the classic single-device tutorial code.
+"""The original loop the MNIST benchmark compares against: the classic single-device tutorial code.
 
 Per-sample PIL -> ToTensor -> Normalize transforms, a DataLoader that stacks 64 samples per batch,
 fp32, the default (NCHW) memory layout. Same model, optimizer and hyper-parameters as the chapter, the

@@ -42,7 +42,7 @@ def one_process_on_everything():
 
 def warmed_up_counter(model, rank):
     """Count from the second backward on: DDP's first backward uses one bucket, then DDP rebuilds its
-    buckets in the order the gradients really arrived (a 1 MB first bucket, then 25 MB ones)."""
+    buckets in the order the gradients really arrived (a 1 MiB first bucket, then 25 MB ones)."""
     counter = accumulation.count_all_reduces(model)
     images, labels = micro_batches_of(rank)[0]
     F.nll_loss(model(images), labels).backward()
@@ -89,7 +89,7 @@ def test_same_weights_as_one_process_on_the_whole_batch(results, variant):
 def test_all_reduce_counts(results):
     calls = {variant: results[variant]["all_reduces"] for variant in results}
     once = calls["one_backward"]  # one all-reduce per gradient bucket
-    assert once == 2  # BasicNet's 4.8 MB of gradients: fc2 + fc1 weight fill the 1 MB first bucket, the rest the next
+    assert once == 2  # BasicNet's 4.8 MB of gradients: fc2 + fc1 weight fill the 1 MiB first bucket, the rest the next
     assert calls["no_sync_around_forward_and_backward"] == once
     assert calls["sync_every_micro_batch"] == STEPS * once
     assert calls["no_sync_around_backward_only"] == STEPS * once, "the mistake saves nothing"

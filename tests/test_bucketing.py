@@ -82,7 +82,7 @@ def test_buckets_follow_backward_and_launch_in_order(checks):
 
 @pytest.mark.parametrize("bucket_cap_mb, buckets", BUCKETS.items())
 def test_gradients_equal_ddp(checks, bucket_cap_mb, buckets):
-    """0.5 MB: fc2 and fc1's bias, fc1's weight alone, then the convolutions; 25 MB and None: one bucket."""
+    """bucket_cap_mb 0.5 (MiB): fc2 and fc1's bias, fc1's weight alone, then the convolutions; 25 and None: one bucket."""
     difference, made = checks[bucket_cap_mb]
     assert made == buckets and difference <= 1e-7, difference
 

@@ -106,7 +106,7 @@ def ddp_graphs(rank: int, world_size: int) -> dict:
         graphs.append(graph)
         return aot_eager(graph, example_inputs)
 
-    cap_mb = 1  # each layer's gradients fill a bucket (below 1 MB, dynamo's DDPOptimizer refuses to start)
+    cap_mb = 1  # each layer's gradients fill a bucket (below 1 MiB, dynamo's DDPOptimizer refuses to start)
     eager = DDP(small_model(seed=rank), bucket_cap_mb=cap_mb)  # DDP copies rank 0's weights to every rank
     expected = train(eager, list(eager.parameters()), rank)
     buckets = len(eager.reducer._get_zeros_like_grad_buckets())  # as rebuilt after the first step

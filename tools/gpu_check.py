@@ -4,7 +4,7 @@ benchmarks, written as Markdown tables, with the device and the software named, 
     python tools/gpu_check.py --data-dir data      # MNIST/raw under data/; about 5 minutes on one H100
     python tools/gpu_check.py --cpu --data-dir D --output page.md   # every row's code path on the CPU, at toy size
 
-The rows: one MNIST epoch on one GPU for the reference loop (benchmarks/reference_mnist.py), for
+The rows: one MNIST epoch on one GPU for the original loop (benchmarks/reference_mnist.py), for
 mnist_1_single.py in fp32 and bf16, for mnist_3_ddp.py under torchrun with 1 process and for
 mnist_4_accelerate.py under accelerate launch with 1 process; then the training throughput of a
 BERT-base-sized classifier (BertConfig's defaults: 12 layers, hidden 768, random weights, nothing
@@ -101,7 +101,7 @@ def mnist_runs(data_dir: str, device: torch.device) -> dict[tuple[str, str], tup
     accelerate = on_device("fp16", device)
     override = [] if accelerate == "fp16" else ["--mixed_precision", {"fp32": "no"}.get(accelerate, accelerate)]
     return {
-        ("MNIST epoch: reference loop (per-sample transforms)", "fp32"): ([python, "benchmarks/reference_mnist.py", *data], "fp32"),
+        ("MNIST epoch: original loop (per-sample transforms)", "fp32"): ([python, "benchmarks/reference_mnist.py", *data], "fp32"),
         ("MNIST epoch: mnist_1_single.py", "fp32"):
             ([python, f"{ch4}/mnist_1_single.py", *data, "--epochs", "1", "--precision", "fp32"], "fp32"),
         ("MNIST epoch: mnist_1_single.py", "bf16"):
