@@ -145,8 +145,8 @@ def digest(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def fingerprint(commands, root=ROOT):
-    return {path.relative_to(ROOT).as_posix(): digest(root / path.relative_to(ROOT)) for path in source_files(commands)}
+def fingerprint(commands):
+    return {path.relative_to(ROOT).as_posix(): digest(path) for path in source_files(commands)}
 
 
 def changed_sources(recording, root=ROOT):
