@@ -11,8 +11,11 @@ the slow part: `-k "not compile"` leaves them out) last.
 """
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,8 +57,10 @@ needs_datasets = pytest.mark.skipif(
     importlib.util.find_spec("datasets") is None,
     reason="needs the `datasets` package: the BERT scripts read their pairs with it (common/nli.py); pip install datasets")
 needs_compiler = pytest.mark.skipif(
-    not any(shutil.which(name) for name in ("g++", "clang++", "c++")),
-    reason="--compile inductor needs a C++ compiler on the PATH (common/compile.py stops without one)")
+    not ((os.environ.get("CC") or any(shutil.which(name) for name in ("gcc", "clang")))
+         and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()),
+    reason="--compile inductor on a GPU builds Triton kernels, which need a C compiler (gcc or clang on the PATH, "
+           "or $CC) and Python's headers (Python.h); common/compile.py stops without them")
 
 
 def bert_flags(tiny_bert, nli_pairs, steps: int = BERT_STEPS) -> list:
