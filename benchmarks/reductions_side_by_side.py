@@ -164,12 +164,12 @@ def token_losses(rank, world_size, reference_gradient) -> dict:
     with torch.no_grad():
         losses = {"micro_batch_means": sum(s / c for s, c in zip(sums, counts)) / len(micro_batches),
                   "local_tokens": sum(sums) / sum(counts),
-                  "global_tokens": sum(sums) * world_size / sum_across_ranks(int(sum(counts)))[0]}
+                  "global_tokens": sum(sums) * world_size / sum_across_ranks(int(sum(counts)), device="cpu")[0]}
     results = {}
     for way, loss in losses.items():
         model = DDP(NextToken())
         accumulate(model, micro_batches, way)
-        averaged = sum_across_ranks(loss.item())[0] / world_size  # what DDP's averaged gradient is the gradient of
+        averaged = sum_across_ranks(loss.item(), device="cpu")[0] / world_size  # what DDP's averaged gradient is the gradient of
         results[way] = (averaged, distance(flat_gradient(model), reference_gradient))
     return results
 
@@ -190,7 +190,7 @@ def printed_losses(rank, world_size) -> dict:
     model = classifier()
     inputs, labels = (mine(t, rank, PER_RANK) for t in global_batch(world_size))
     loss = F.cross_entropy(model(inputs), labels).item()
-    return {"rank 0's own": loss, "mean over the ranks": sum_across_ranks(loss)[0] / world_size}
+    return {"rank 0's own": loss, "mean over the ranks": sum_across_ranks(loss, device="cpu")[0] / world_size}
 
 
 def on_each_rank(rank, world_size, reference) -> list[dict]:

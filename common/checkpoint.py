@@ -51,17 +51,18 @@ class Position:
 
 
 def rng_state(device: torch.device) -> dict:
+    """The CPU's and Python's random states, and the accelerator's under its type ("cuda", "xpu", "mps")."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
+    if device.type != "cpu":
+        state[device.type] = torch.get_device_module(device).get_rng_state(device)
     return state
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
+    if device.type != "cpu" and device.type in state:
+        torch.get_device_module(device).set_rng_state(state[device.type], device)
 
 
 def reseed(seed: int, rank: int, step: int) -> None:
@@ -163,10 +164,11 @@ class Checkpoints:
         return torch.load(path, map_location="cpu", weights_only=True)
 
     def save_final(self, model_state: dict) -> Path:
-        """The trained weights alone, as DIR/final.pt: what a user loads for inference."""
+        """The trained weights alone, as DIR/final.pt: what a user loads for inference, on any machine, so the
+        tensors are saved from the CPU (a CUDA tensor in the file makes torch.load fail where there is no GPU)."""
         path = self.folder / "final.pt"
         if rank() == 0:
-            write_atomically(model_state, path)
+            write_atomically({name: value.cpu() for name, value in model_state.items()}, path)
         return path
 
     def load_newest(self) -> dict | None:

@@ -9,13 +9,19 @@ applies DDPOptimizer to whatever it compiles while a DDP forward is running
 DDP(torch.compile(model)) the compiled model runs inside DDP's forward too.
 """
 import argparse
+import os
 import shutil
 import sys
+import sysconfig
+from pathlib import Path
 
 import torch
 
+from common.distributed import accelerator_type
+
 BACKENDS = ("inductor", "aot_eager", "eager")
-COMPILERS = ("g++", "clang++", "c++")  # what inductor's C++ builder looks for on the PATH
+COMPILERS = ("g++", "clang++", "c++")  # what inductor's C++ builder looks for on the PATH (CPU kernels)
+C_COMPILERS = ("gcc", "clang")  # what Triton builds its kernel launchers with (GPU kernels), unless $CC names one
 
 
 def add_compile_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -27,12 +33,31 @@ def add_compile_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-def check_backend(backend: str) -> None:
-    """Stop with one sentence and the way out where torch.compile cannot work on this machine."""
+def check_backend(backend: str, kind: str | None = None, environ=os.environ,
+                  python_include: str | None = None) -> None:
+    """Stop with one sentence and the way out where torch.compile cannot work on this machine.
+
+    kind is the device type the model runs on ("cuda", "xpu", "cpu"), by default this machine's
+    accelerator: inductor writes C++ for a CPU and Triton for a GPU, and Triton compiles a small C
+    launcher per kernel against Python's headers, so a GPU needs a C compiler and Python.h instead.
+    """
     if not torch._dynamo.is_dynamo_supported():
         sys.exit(f"error: torch {torch.__version__} cannot compile on this Python or platform; "
                  "leave out --compile (the model runs eagerly, with the same results).")
-    if backend == "inductor" and not any(shutil.which(name) for name in COMPILERS):
+    if backend != "inductor":
+        return
+    kind = accelerator_type() if kind is None else kind
+    if kind in ("cuda", "xpu"):
+        if not (environ.get("CC") or any(shutil.which(name) for name in C_COMPILERS)):
+            sys.exit("error: --compile inductor on a GPU builds Triton kernels, which need a C compiler (gcc or "
+                     "clang) on the PATH or named by $CC; install one (e.g. apt install gcc), or pass --compile "
+                     "aot_eager, or leave out --compile.")
+        include = Path(python_include or sysconfig.get_paths()["include"])
+        if not (include / "Python.h").exists():
+            sys.exit(f"error: --compile inductor on a GPU builds Triton kernels against Python's headers, and "
+                     f"{include / 'Python.h'} is missing; install them (e.g. apt install python3-dev), or pass "
+                     "--compile aot_eager, or leave out --compile.")
+    elif not any(shutil.which(name) for name in COMPILERS):
         sys.exit("error: --compile inductor generates C++ and needs a C++ compiler (g++ or clang++) on the PATH; "
                  "install one (e.g. apt install g++), or pass --compile aot_eager, or leave out --compile.")
 

@@ -73,45 +73,81 @@ def require_launcher(script: str, environ=os.environ) -> Launch:
     return launch
 
 
+def accelerator_type() -> str | None:
+    """"cuda", "xpu", "mps" (or another kind torch knows): the accelerator this process sees; None without one.
+
+    torch.accelerator (torch 2.6 and later) knows every kind; before it, CUDA is the only one looked for.
+    """
+    if hasattr(torch, "accelerator"):
+        return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def accelerator_count(kind: str | None = None) -> int:
+    """How many devices of this kind (the machine's accelerator by default) are visible: 0 without one."""
+    kind = accelerator_type() if kind is None else kind
+    return 0 if kind is None else torch.get_device_module(kind).device_count()
+
+
+def pin_memory() -> bool:
+    """Whether loaders should hand out page-locked batches: on CUDA and XPU a copy from pinned memory with
+    non_blocking=True overlaps the compute; from pageable memory it is synchronous. MPS does not pin."""
+    return accelerator_type() in ("cuda", "xpu")
+
+
 def device_for(launch: Launch = Launch(0, 0, 1, "python"), gpu_count: int | None = None,
-               environ=os.environ) -> torch.device:
-    """cuda:LOCAL_RANK when there are GPUs, else the CPU; one clear sentence when GPUs are too few.
+               environ=os.environ, kind: str | None = None) -> torch.device:
+    """The accelerator at LOCAL_RANK (cuda:1, xpu:1) where there is one, else the CPU; one clear sentence
+    when devices are too few. kind and gpu_count default to what this machine has.
 
     The local rank, never the global one: on the second of two 4-GPU nodes, global rank 5 is cuda:1.
     Two processes must not share a GPU (NCCL refuses: "Duplicate GPU detected"). The one exception:
-    `srun --gpus-per-task=1` shows each task only its own GPU, as cuda:0.
+    `srun --gpus-per-task=1` shows each task only its own GPU, as cuda:0. Apple's MPS device has no
+    process-group backend, so only a process started without a launcher trains on it.
     """
-    count = torch.cuda.device_count() if gpu_count is None else gpu_count
-    if count == 0:
+    if kind is None:  # a gpu_count without a kind (the tests' imagined machines) means CUDA GPUs
+        kind = accelerator_type() or ("cuda" if gpu_count else None)
+    count = accelerator_count(kind) if gpu_count is None else gpu_count
+    if kind is None or count == 0:
+        return torch.device("cpu")
+    if kind == "mps":
+        if launch.launcher == "python":
+            return torch.device("mps")
+        if launch.rank == 0:
+            print("note: no process-group backend moves MPS tensors, so these processes train on the CPU "
+                  "with gloo; a single `python` process trains on the MPS device.", file=sys.stderr)
         return torch.device("cpu")
     if launch.launcher == "slurm" and count == 1 and environ.get("SLURM_GPUS_PER_TASK", "").split(":")[-1] == "1":
-        return torch.device("cuda", 0)
+        return torch.device(kind, 0)
     if launch.local_world_size > count:
         sys.exit(f"error: {launch.local_world_size} processes on this node but {count} GPU(s) visible, and two "
                  f"processes cannot share a GPU: start {count} per node (torchrun --nproc_per_node={count}, "
                  f"accelerate launch --num_processes {count}, srun --gpus-per-task=1), or hide the GPUs with "
                  f"CUDA_VISIBLE_DEVICES= to train on the CPU.")
-    return torch.device("cuda", launch.local_rank)
+    return torch.device(kind, launch.local_rank)
 
 
 def processes_for_this_machine(global_batch: int, gpu_count: int | None = None) -> int:
     """How many processes the demo, the benchmarks and the notebooks start: one per GPU (2 on a CPU), or
     fewer where that count does not divide the global batch (each process takes an equal share): the
     largest count that does, so 3 GPUs run 2 processes for a batch of 64, and 6 GPUs run 4."""
-    available = (torch.cuda.device_count() if gpu_count is None else gpu_count) or 2
+    available = (accelerator_count() if gpu_count is None else gpu_count) or 2
     return max(count for count in range(1, available + 1) if global_batch % count == 0)
 
 
 def processes_note(processes: int, global_batch: int, gpu_count: int | None = None) -> str:
     """What processes_for_this_machine chose, in words, for the demo and benchmarks to print."""
-    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
+    gpus = accelerator_count() if gpu_count is None else gpu_count
     where = f"of {gpus} GPU(s)" if gpus else "on the CPU"
     unused = f": the largest count that divides the global batch {global_batch}" if processes < (gpus or 2) else ""
     return f"{processes} processes {where}{unused}"
 
 
 def backend_for(device: torch.device) -> str:
-    """NCCL moves CUDA tensors; gloo moves CPU tensors."""
+    """The process-group backend that moves this device's tensors: nccl for CUDA, xccl for XPU, gloo for
+    the CPU, as torch's own table has it (torch 2.6 and later; before it, CUDA or the CPU)."""
+    if hasattr(dist, "get_default_backend_for_device"):
+        return dist.get_default_backend_for_device(device)
     return "nccl" if device.type == "cuda" else "gloo"
 
 
@@ -123,12 +159,12 @@ def init_process_group(launch: Launch, device: torch.device, timeout_s: float) -
     message, on gloo and on NCCL where torch enforces Work.wait's timeout (before torch 2.6 only with
     TORCH_NCCL_BLOCKING_WAIT=1; otherwise NCCL's watchdog ends the process after the same timeout).
     """
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type != "cpu":
+        torch.get_device_module(device).set_device(device)
     try:
         dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,
                                 timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type != "cpu" else None)
         dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as error:  # DistStoreError and DistNetworkError are RuntimeErrors
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -10,10 +10,11 @@ def _group_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def sum_across_ranks(*values, device: torch.device | str = "cpu") -> list:
+def sum_across_ranks(*values, device: torch.device | str) -> list:
     """Add Python numbers (counts, loss sums) over all ranks in one all-reduce; ints come back as ints.
 
-    float64 holds integers exactly up to 2**53, so summed counts are exact.
+    float64 holds integers exactly up to 2**53, so summed counts are exact. device has no default: it must
+    be the one the process group moves (a CPU tensor on an NCCL group fails), the script's own.
     """
     totals = torch.tensor(values, dtype=torch.float64, device=device)
     if _group_ready():

@@ -13,11 +13,23 @@ import sys
 import torch
 
 from common.cli import positive_int
-from common.distributed import detect_launch
+from common.distributed import accelerator_type, detect_launch
 
 # SLURMEnvironment.detect() treats a job with one of these names as an interactive shell and ignores
 # SLURM's variables. What salloc names its job depends on the site (often "interactive", or the command it runs).
 INTERACTIVE_JOB_NAMES = ("bash", "interactive")
+
+
+def lightning_accelerator(kind: str | None = None) -> str:
+    """Trainer(accelerator=...): "auto", Lightning's pick (a CUDA GPU where there is one, else the CPU), except
+    where that pick would fail or silently take the CPU: on Apple's MPS device no DDP strategy runs, and
+    Lightning 2.6 has no XPU accelerator built in. There the CPU, said in one line."""
+    kind = accelerator_type() if kind is None else kind
+    if kind in ("mps", "xpu"):
+        print(f"note: Lightning's DDP strategy does not run on this {kind.upper()} device, so this step trains on "
+              f"the CPU; python src/ch4/mnist_1_single.py trains on the {kind.upper()} device.", file=sys.stderr)
+        return "cpu"
+    return "auto"
 
 
 def devices_flag(text: str):
@@ -41,7 +53,7 @@ def add_trainer_flags(parser, environ=os.environ):
 def check_launch(devices: int | str, num_nodes: int, environ=os.environ, gpu_count: int | None = None) -> None:
     """Stop with one sentence where Lightning would raise in fit(), or misread the launch and hang."""
     launch = detect_launch(environ)
-    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
+    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count  # Lightning's "gpu" is CUDA
     if launch.launcher != "slurm" and devices != "auto" and 0 < gpus < devices:  # else Lightning's MisconfigurationException
         sys.exit(f"error: {devices} processes on this node need {devices} GPUs and {gpus} are visible: run "
                  f"{gpus} (--devices {gpus}, or torchrun --nproc_per_node={gpus}), or hide the GPUs with "

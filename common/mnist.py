@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from common.distributed import main_process_first
+from common.distributed import main_process_first, pin_memory
 
 MEAN, STD = 0.1307, 0.3081  # over the 60 000 training images
 RAW_FILES = {True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),  # train=True, as torchvision names them
@@ -127,4 +127,5 @@ def make_loader(dataset: Dataset, batch_size: int, sampler, num_workers: int = 0
     if there is none (even with num_workers=0), which shifts every later dropout mask."""
     collate = dataset.collate if isinstance(dataset, MNISTTensors) else None
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate,
-                      num_workers=num_workers, persistent_workers=num_workers > 0, generator=generator)
+                      num_workers=num_workers, persistent_workers=num_workers > 0, generator=generator,
+                      pin_memory=pin_memory())

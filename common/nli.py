@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 from common.cli import positive_float, positive_int, training_parser
-from common.distributed import print0
+from common.distributed import pin_memory, print0
 
 LABELS = ("entailment", "neutral", "contradiction")
 DEFAULT_MODEL = "bert-base-cased"
@@ -190,7 +190,7 @@ def make_loader(dataset, tokenizer, batch_size: int, sampler, generator=None) ->
     """Batches padded to their own longest pair (DataCollatorWithPadding), not to max_length.
     generator: see common.mnist.make_loader."""
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=DataCollatorWithPadding(tokenizer),
-                      generator=generator)
+                      generator=generator, pin_memory=pin_memory())
 
 
 class PairCollator:

@@ -1,10 +1,14 @@
 """Mixed precision as one flag: fp32, bf16 or fp16 autocast, or auto (what the hardware does natively).
 
-auto means bf16 where the hardware has bf16 units: GPUs of compute capability 8.0 or newer (A100,
-H100, RTX 30xx and later) and CPUs with AMX or AVX512-BF16. Older GPUs (V100, T4) only emulate bf16,
-so auto means fp16 with loss scaling there, as users of those cards expect. On a CPU without bf16
-units oneDNN emulates it and a step gets several times slower, so auto means fp32. fp16 needs a
-GradScaler, so that small gradients do not underflow, and is offered on CUDA only.
+The rule for auto, per device type (torch.accelerator has none):
+  - CUDA: bf16 on compute capability 8.0 or newer (A100, H100, RTX 30xx and later). Older GPUs (V100,
+    T4) only emulate bf16, so auto means fp16 with loss scaling there, as users of those cards expect.
+  - XPU and MPS: bf16 where torch says the device supports it, else fp32.
+  - CPU: bf16 with AMX or AVX512-BF16 units; without them oneDNN emulates it and a step gets several
+    times slower, so fp32.
+fp16 needs a GradScaler, so that small gradients do not underflow: it is offered on the devices whose
+GradScaler torch has (CUDA, XPU, MPS), not on the CPU. fp32 means fp32: cuDNN's convolutions would
+otherwise run in TF32 on Ampere and newer GPUs (its default), with a 10-bit mantissa.
 """
 import os
 import sys
@@ -12,25 +16,43 @@ import sys
 import torch
 import torch.nn as nn
 
+from common.distributed import accelerator_type
+
 AUTO_HELP = ("autocast dtype; auto = bf16 where the hardware has it natively (GPUs of compute capability >= 8.0, "
-             "CPUs with AMX/AVX512-BF16), fp16 with loss scaling on older GPUs, else fp32")
+             "XPU and MPS devices that support it, CPUs with AMX/AVX512-BF16), fp16 with loss scaling on older "
+             "CUDA GPUs, else fp32")
+FP16_DEVICES = ("cuda", "xpu", "mps")  # where torch has a GradScaler
 
 
 def auto_precision(device: torch.device, capability: tuple[int, int] | None = None,
-                   cpu_has_bf16: bool | None = None) -> str:
-    """The rule behind --precision auto; capability and cpu_has_bf16 default to this machine's."""
+                   has_bf16: bool | None = None) -> str:
+    """The rule behind --precision auto; capability (CUDA) and has_bf16 (other devices) default to this machine's."""
     if device.type == "cuda":
         major, _ = capability or torch.cuda.get_device_capability(device)
         return "bf16" if major >= 8 else "fp16"
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported() if cpu_has_bf16 is None else cpu_has_bf16
+    native = device_has_bf16(device) if has_bf16 is None else has_bf16
     return "bf16" if native else "fp32"
 
 
+def device_has_bf16(device: torch.device) -> bool:
+    """bf16 units on this CPU (oneDNN's check), or bf16 support on this XPU or MPS device (torch's)."""
+    if device.type == "cpu":
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    supported = getattr(torch.get_device_module(device), "is_bf16_supported", None)
+    if supported is not None:
+        return supported()
+    return device.type == "mps" and torch.backends.mps.is_macos_or_newer(14, 0)
+
+
 def resolve_precision(requested: str, device: torch.device) -> str:
+    """The precision a run uses: auto resolved by the rule above; fp16 refused where there is no GradScaler."""
     if requested == "auto":
-        return auto_precision(device)
-    if requested == "fp16" and device.type != "cuda":
-        sys.exit("error: --precision fp16 needs a CUDA GPU; on the CPU use --precision bf16 or fp32.")
+        requested = auto_precision(device)
+    if requested == "fp16" and device.type not in FP16_DEVICES:
+        sys.exit(f"error: --precision fp16 needs a GPU (CUDA, XPU or MPS) for its loss scaling; on the "
+                 f"{device.type.upper()} use --precision bf16 or fp32.")
+    if requested == "fp32":
+        torch.backends.cudnn.allow_tf32 = False  # cuDNN's default runs fp32 convolutions in TF32
     return requested
 
 
@@ -79,7 +101,7 @@ def accelerate_mixed_precision(requested: str, environ=os.environ) -> str:
     auto takes the launch config's mixed_precision where it names one (fp16 or bf16), and otherwise
     the hardware rule above, so that the same GPU trains in the same precision in every script.
     """
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(accelerator_type() or "cpu")
     launched = environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if requested == "auto" and launched in ("fp16", "bf16"):
         requested = launched
@@ -92,6 +114,6 @@ LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixe
 
 def lightning_precision(requested: str) -> str:
     """--precision for Trainer(precision=...), with the same auto as the other scripts, on the device that
-    Trainer(accelerator="auto") picks: a GPU where there is one, else the CPU."""
+    Trainer picks (common.lightning_launch.lightning_accelerator): a CUDA GPU where there is one, else the CPU."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return LIGHTNING_PRECISION[resolve_precision(requested, device)]

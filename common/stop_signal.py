@@ -5,6 +5,8 @@ when the job asked for it with --signal); torchrun passes SIGTERM on to its work
 saved right away would save at whatever step each rank happened to be in, and the signal reaches the
 ranks at different moments. So the handler only sets a flag; at each step boundary one small
 all-reduce (MAX) tells every rank whether any rank got a signal, and all stop at that same step.
+That flag is a CPU tensor on a gloo group: a flag on the GPU would make every step wait for the GPU
+to finish its queued work before .item() could read the answer.
 """
 import signal
 
@@ -18,17 +20,20 @@ class StopSignal:
     def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
         self.received = 0  # the signal this process got, 0 while none arrived
         self.signum = 0  # the signal some rank got, once the ranks have agreed on it
+        self.group = None  # the gloo group the flag travels on, made at the first check
         for signum in signals:
             signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
 
-    def agreed(self, device: torch.device) -> bool:
+    def agreed(self) -> bool:
         """True on every rank if any rank has received a signal. A collective: every rank calls it at each step."""
-        flag = torch.tensor([self.received], device=device)
+        flag = torch.tensor([self.received])
         if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if self.group is None:  # the default group where it is gloo, else one more group, over gloo
+                self.group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         self.signum = int(flag.item())
         return self.signum != 0
 

@@ -108,8 +108,8 @@ def test_auto_on_gpus_is_bf16_from_ampere_on_and_fp16_with_scaling_before(capabi
 
 
 def test_auto_on_cpus_is_bf16_only_with_bf16_units():
-    assert auto_precision(torch.device("cpu"), cpu_has_bf16=True) == "bf16"
-    assert auto_precision(torch.device("cpu"), cpu_has_bf16=False) == "fp32"
+    assert auto_precision(torch.device("cpu"), has_bf16=True) == "bf16"
+    assert auto_precision(torch.device("cpu"), has_bf16=False) == "fp32"
 
 
 def test_auto_means_the_same_in_the_accelerate_scripts():
@@ -123,7 +123,7 @@ def test_auto_means_the_same_in_the_accelerate_scripts():
 
 def test_help_says_what_auto_means(run_command):
     result = run_command(PYTHON, CH4 / "mnist_1_single.py", "--help")
-    assert "fp16 with loss scaling on older GPUs" in " ".join(result.stdout.split())
+    assert "fp16 with loss scaling on older CUDA GPUs" in " ".join(result.stdout.split())
 
 
 # ---- DataParallel keeps the autocast dtype in every replica ----

@@ -128,7 +128,7 @@ def against_ddp(rank, world_size, script, data, mesh, policy=None):
         correct, seen = script.evaluate(model, loader, torch.device("cpu"), "fp32", len(DistributedEvalSampler(test_set)))
     return {"gradient_error": gaps[0].item(), "gap": gaps[1].item(), "gradient_errors": gradient_errors, "loss_gaps": loss_gaps,
             "weight_error": norm([a - b for a, b in zip(full, ddp)]) / norm([b - a for a, b in zip(start, ddp)]),
-            "steps": steps, "evaluation": evaluation.calls, "printed": sum_across_ranks(correct, seen), "full": full, "ddp": ddp}
+            "steps": steps, "evaluation": evaluation.calls, "printed": sum_across_ranks(correct, seen, device="cpu"), "full": full, "ddp": ddp}
 
 
 def every_mesh(rank, world_size, data_dir):

@@ -46,12 +46,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from common.machine import machine_name  # noqa: E402  (after the path above)
 from common.plan import GB, GPU, GPUS, NETWORKS, model_of_config, plan, step_flops  # noqa: E402
-from common.precision import auto_precision, autocast, grad_scaler, optimizer_step  # noqa: E402
+from common.precision import FP16_DEVICES, auto_precision, autocast, grad_scaler, optimizer_step  # noqa: E402
 from sharded_memory import state_tensors, storage_bytes  # noqa: E402
 
 RESULTS = ROOT / "docs" / "gpu_results.md"
 NO_GPU = "gpu-check: no CUDA GPU is visible on this machine, so there is nothing to check; run it where there is one."
-PYTEST_TIMEOUT = 600  # seconds for the whole of tests/test_gpu.py
+PYTEST_TIMEOUT = 900  # seconds for the whole of tests/test_gpu.py
+PYTEST_WORKERS = min(8, os.cpu_count() or 1)  # its tests share the GPUs: each is a small run, some compile for minutes
 # --cpu: the BERT rows' code on a BertConfig this small (tests/test_gpu_paths.py uses the same), 2 x 8 tokens.
 TOY_BERT = {"vocab_size": 1100, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
             "intermediate_size": 64}
@@ -60,9 +61,9 @@ FAILED = (Exception, SystemExit)  # what one row may raise without stopping the 
 
 
 def on_device(precision: str, device: torch.device) -> str:
-    """The precision a row runs in: its own, except fp16 off CUDA, which common.precision refuses: there the
+    """The precision a row runs in: its own, except fp16 where common.precision refuses it (the CPU): there the
     device's --precision auto (on a CPU bf16 with bf16 units, else fp32)."""
-    return auto_precision(device) if precision == "fp16" and device.type != "cuda" else precision
+    return auto_precision(device) if precision == "fp16" and device.type not in FP16_DEVICES else precision
 
 
 def one_line(error: BaseException, width: int = 240) -> str:
@@ -297,7 +298,7 @@ def tests_problem(summary: str, returncode: int) -> str | None:
 def run_gpu_tests(env: dict[str, str], timeout: int = PYTEST_TIMEOUT) -> tuple[str, str | None, str]:
     """tests/test_gpu.py on this machine's GPUs: its summary line for the page, the sentence to exit with (None
     where it passed) and the end of its output. A run past the timeout is one line, not a traceback."""
-    command = [sys.executable, "-m", "pytest", "-n0", "-q", "-rs", "tests/test_gpu.py"]
+    command = [sys.executable, "-m", "pytest", f"-n{PYTEST_WORKERS}", "--dist=load", "-q", "-rs", "tests/test_gpu.py"]
     try:
         tests = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as expired:

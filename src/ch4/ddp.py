@@ -89,7 +89,7 @@ def main(args):
     eval_loader = make_loader(eval_set, tokenizer, args.eval_batch_size, DistributedEvalSampler(eval_set))  # STEP
 
     model = model.to(device)
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # STEP: all-reduce gradients in backward
+    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)  # STEP: all-reduce gradients in backward
     model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     total_steps = min(args.max_steps or float("inf"), args.epochs * len(train_loader))

@@ -85,7 +85,7 @@ def main():
     test_loader = make_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set), args.num_workers)  # STEP
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # STEP: all-reduce gradients in backward
+    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)  # STEP: all-reduce gradients in backward
     model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)

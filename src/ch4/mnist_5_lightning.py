@@ -6,7 +6,7 @@ group, wraps the model in DDP, moves each batch to the device, applies mixed pre
 backward and the optimizer. What changes from step 3:
   - train_epoch and evaluate become training_step and test_step of a LightningModule, and
     configure_optimizers makes the AdamW;
-  - Trainer(accelerator="auto", devices, num_nodes, strategy=DDPStrategy, precision) replaces the
+  - Trainer(accelerator, devices, num_nodes, strategy=DDPStrategy, precision) replaces the
     launcher checks, the device choice, init_process_group and the DDP wrap; it calls set_epoch on the
     training sampler itself, every epoch;
   - the ranks come from the Trainer, which knows them before fit() creates the process group, so the
@@ -44,7 +44,7 @@ from common.cli import mnist_parser
 from common.cli import per_process_batch
 from common.distributed import print0, processes  # STEP
 from common.gather import sum_across_ranks
-from common.lightning_launch import add_trainer_flags, check_launch  # STEP
+from common.lightning_launch import add_trainer_flags, check_launch, lightning_accelerator  # STEP
 from common.mnist import BasicNet, load_mnist, make_loader
 from common.precision import lightning_precision  # STEP
 from common.samplers import DistributedEvalSampler
@@ -71,8 +71,8 @@ class LitBasicNet(L.LightningModule):  # STEP: the model and what one step does;
         return loss  # STEP
 
     def on_train_epoch_end(self):  # STEP
-        self.train_seconds += time.perf_counter() - self.start  # STEP
-        loss = self.loss_sum.item() / self.trainer.num_training_batches  # STEP
+        loss = self.loss_sum.item() / self.trainer.num_training_batches  # STEP: waits for the device's queued steps
+        self.train_seconds += time.perf_counter() - self.start  # STEP: so the clock stops after them
         loss = sum_across_ranks(loss, device=self.device)[0] / self.trainer.world_size  # STEP: the mean over ranks
         print0(f"epoch {self.current_epoch}: mean training loss {loss:.4f}")  # STEP
 
@@ -88,7 +88,7 @@ def main():
 
     check_launch(args.devices, args.num_nodes)  # STEP: one sentence where Lightning would raise or misread
     precision = lightning_precision(args.precision)  # STEP: "32-true", "bf16-mixed" or "16-mixed"
-    trainer = L.Trainer(accelerator="auto", devices=args.devices, num_nodes=args.num_nodes, precision=precision,  # STEP
+    trainer = L.Trainer(accelerator=lightning_accelerator(), devices=args.devices, num_nodes=args.num_nodes, precision=precision,  # STEP
                         strategy=DDPStrategy(timeout=timedelta(seconds=args.dist_timeout)),  # STEP: gloo or nccl
                         use_distributed_sampler=False,  # STEP: keep our samplers: the default pads the test set
                         max_epochs=args.epochs, logger=False, enable_checkpointing=False,  # STEP: writes no files

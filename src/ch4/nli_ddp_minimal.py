@@ -40,7 +40,7 @@ def main(args):
     eval_loader = DataLoader(eval_pairs, batch_size=args.eval_batch_size, sampler=DistributedEvalSampler(eval_pairs), collate_fn=collate)  # STEP
 
     model = model.to(device)
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # STEP: all-reduce gradients in backward
+    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)  # STEP: all-reduce gradients in backward
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     print0(f"{processes(launch.world_size)} on {device.type}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")  # STEP

@@ -62,7 +62,7 @@ def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, 
         steps += 1
         progress.update()
         position.advance(loader.sampler.global_batch, len(loader.dataset))  # STEP: the samples all ranks trained on
-        if stop.agreed(device) or checkpoints.due(position):  # STEP: one small all-reduce: all ranks stop at one step
+        if stop.agreed() or checkpoints.due(position):  # STEP: one small all-reduce, on the CPU: all ranks stop at one step
             checkpoints.save(position, training_state(model, optimizer, scheduler, scaler))  # STEP: every rank calls it
         if stop.signum:  # STEP
             stop.exit(position.step)  # STEP
@@ -106,7 +106,7 @@ def main(args):
     eval_loader = make_loader(eval_set, tokenizer, args.eval_batch_size, DistributedEvalSampler(eval_set))
 
     model = model.to(device)
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     total_steps = min(args.max_steps or float("inf"), args.epochs * len(train_loader))
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)

@@ -65,7 +65,7 @@ def train_epoch(model, loader, optimizer, scaler, device, precision, position, c
         scaler.update()
         loss_sum += loss.detach()
         position.advance(loader.sampler.global_batch, len(loader.dataset))  # STEP: the samples all ranks trained on
-        if stop.agreed(device) or checkpoints.due(position):  # STEP: one small all-reduce: all ranks stop at one step
+        if stop.agreed() or checkpoints.due(position):  # STEP: one small all-reduce, on the CPU: all ranks stop at one step
             checkpoints.save(position, training_state(model, optimizer, scaler))  # STEP: every rank calls it
         if stop.signum:  # STEP
             stop.exit(position.step)  # STEP
@@ -108,7 +108,7 @@ def main():
     test_loader = make_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set), args.num_workers)
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
     checkpoints = Checkpoints(args.checkpoint_dir, args.checkpoint_every, device=device,  # STEP: what must match to resume:

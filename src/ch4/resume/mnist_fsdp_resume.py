@@ -65,7 +65,7 @@ def train_epoch(model, loader, optimizer, scaler, device, precision, position, c
         scaler.update()
         loss_sum += loss.detach()
         position.advance(loader.sampler.global_batch, len(loader.dataset))  # STEP: the samples all ranks trained on
-        if stop.agreed(device) or checkpoints.due(position):  # STEP: one small all-reduce: all ranks stop at one step
+        if stop.agreed() or checkpoints.due(position):  # STEP: one small all-reduce, on the CPU: all ranks stop at one step
             checkpoints.save(position, training_state(model, optimizer, scaler))  # STEP: every rank writes its pieces
         if stop.signum:  # STEP
             stop.exit(position.step)  # STEP

@@ -87,7 +87,7 @@ def main():
     test_loader = make_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set), args.num_workers)
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,  # STEP
+    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None,  # STEP
                 bucket_cap_mb=bucket_cap_mb(args.comm_hook, model))  # STEP: PowerSGD on gloo needs one bucket
     register_comm_hook(model, args.comm_hook, args.powersgd_rank)  # STEP: DDP hands each gradient bucket to the hook
     model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself
