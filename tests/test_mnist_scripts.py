@@ -103,7 +103,7 @@ def test_unknown_flag(run_command, tiny_mnist):
 @pytest.mark.parametrize("script", ["mnist_1_single.py", "mnist_4_accelerate.py"])
 def test_fp16_on_cpu(run_command, tiny_mnist, script):
     result = run_command(PYTHON, CH4 / script, "--data-dir", tiny_mnist, "--precision", "fp16")
-    assert_clear_error(result, "fp16 needs a CUDA GPU")
+    assert_clear_error(result, "fp16 needs a GPU (CUDA, XPU or MPS)")
 
 
 def test_batch_size_must_be_positive(run_command, tiny_mnist):
