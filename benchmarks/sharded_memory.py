@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.fsdp import fully_shard
+from common.fsdp import fully_shard_blocks
 from common.plan import memory_bytes
 from common.spawn import run_in_process_group
 from common.zero import ZeRO
@@ -84,9 +84,7 @@ def wrap(run: str, model):
         return model, model.optimizer, list(model.parameters()) + [unit.shard for unit in model.units]
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, src=0)
-    for layer in model.base_model.encoder.layer:
-        fully_shard(layer)
-    fully_shard(model)
+    fully_shard_blocks(model)
     return model, adamw(model.parameters()), list(model.parameters())
 
 

@@ -74,3 +74,27 @@ def test_bert_fsdp_accuracy(tiny_bert, nli_pairs, tmp_path):
     full = assembled(ranks, "final")
     assert sum(piece.numel() for piece in ranks[1]["final"]) < 0.6 * sum(p.numel() for p in full)
     assert printed_correct(stdout, EVAL_PAIRS, "pairs") == bert_correct(tiny_bert, nli_pairs, full)
+
+
+def test_the_block_policy_finds_the_blocks_of_bert_llama_and_gpt2():
+    from transformers import BertConfig, GPT2Config, LlamaConfig, AutoModelForCausalLM, BertForSequenceClassification
+    from common.fsdp import transformer_blocks
+    tiny = {"hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 32, "vocab_size": 64}
+    with torch.device("meta"):
+        bert = BertForSequenceClassification(BertConfig(num_hidden_layers=2, **tiny))
+        llama = AutoModelForCausalLM.from_config(LlamaConfig(num_hidden_layers=3, **tiny))
+        gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=4, n_embd=16, n_head=2, vocab_size=64))
+    assert [len(transformer_blocks(model)) for model in (bert, llama, gpt2)] == [2, 3, 4]
+    with pytest.raises(ValueError, match="Linear has no list of blocks under any of the names"):
+        transformer_blocks(torch.nn.Linear(2, 2))
+
+
+def test_a_tied_head_cannot_be_sharded_apart_and_nothing_is_sharded():
+    """Bad input loses nothing: the refusal comes before any fully_shard call (none needs a process group)."""
+    from transformers import GPT2Config, AutoModelForCausalLM
+    from common.fsdp import fully_shard_blocks
+    with torch.device("meta"):
+        gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="ties its output head to its input embedding.*use --wrap blocks"):
+        fully_shard_blocks(gpt2, wrap="blocks+embeddings")
+    assert type(gpt2.transformer.h[0]).__name__ == "GPT2Block"  # not an FSDP class

@@ -33,7 +33,7 @@ from transformers import get_linear_schedule_with_warmup
 from common.cli import per_process_batch
 from common.distributed import device_for, init_process_group, print0, processes, require_launcher
 from common.distributed import exit_process  # STEP
-from common.fsdp import fully_shard  # STEP: torch.distributed.fsdp.fully_shard (torch.distributed._composable.fsdp before 2.6)
+from common.fsdp import fully_shard_blocks  # STEP: the sharded chapter's policy, for any transformers model
 from common.gather import sum_across_ranks
 from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
 from common.precision import autocast, grad_scaler, optimizer_step, resolve_precision
@@ -99,9 +99,8 @@ def main(args):
     model = model.to(device)
     for tensor in model.state_dict().values():  # STEP: shard rank 0's weights, not a patchwork of N
         dist.broadcast(tensor, src=0)  # STEP
-    for layer in model.base_model.encoder.layer:  # STEP: one all-gather per encoder layer, then freed
-        fully_shard(layer)  # STEP
-    fully_shard(model)  # STEP: the root: embeddings, pooler, classifier; model.parameters() are now this rank's pieces
+    fully_shard_blocks(model)  # STEP: fully_shard each encoder layer (one all-gather each, then freed), then the root
+    # STEP: the root holds embeddings, pooler and classifier; model.parameters() are now this rank's pieces
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     total_steps = min(args.max_steps or float("inf"), args.epochs * len(train_loader))
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)
