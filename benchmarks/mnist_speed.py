@@ -24,6 +24,7 @@ from pathlib import Path
 
 from common.cli import mnist_parser
 from common.distributed import processes_for_this_machine, processes_note
+from common.mnist import RAW_FILES
 from plotting import bar_chart, where_measured
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,6 +83,10 @@ def main():
     parser.add_argument("--title", default="One MNIST epoch",
                         help="plot title; the machine's name (GPUs where there are) is added after it")
     args = parser.parse_args()
+    raw = Path(args.data_dir, "MNIST", "raw")
+    if not all((raw / name).exists() for names in RAW_FILES.values() for name in names):
+        parser.error(f"MNIST is not in {raw.resolve()}: a download would be timed with the first run; pass --data-dir "
+                     "with a folder that holds MNIST/raw/*-ubyte (python src/ch4/mnist_1_single.py downloads it to data)")
     if args.nproc is None and "ddp" in args.runs:
         global_batch = mnist_parser("").get_default("batch_size")
         args.nproc = processes_for_this_machine(global_batch)
