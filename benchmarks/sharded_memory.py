@@ -31,27 +31,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.fsdp import fully_shard_blocks
+from common.memory import optimizer_tensors, storage_bytes
 from common.plan import memory_bytes
 from common.spawn import run_in_process_group
 from common.zero import ZeRO
 
 RUNS = {"DDP": "ddp", "ZeRO-1": "zero1", "ZeRO-2": "zero2", "ZeRO-3": "zero3", "FSDP2": "fsdp"}  # -> common.plan's
 MiB, KiB = 2**20, 2**10  # the table's and the plot's units; /proc's VmRSS and VmHWM count KiB too
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind these tensors (views of one buffer count once)."""
-    storages = {}
-    for tensor in tensors:
-        if tensor is not None:
-            storage = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).untyped_storage()
-            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
-    return sum(storages.values())
-
-
-def state_tensors(optimizer: torch.optim.Optimizer) -> list:
-    """The optimizer's state tensors (AdamW: each parameter's two moments and its step)."""
-    return [value for per_param in optimizer.state.values() for value in per_param.values() if torch.is_tensor(value)]
 
 
 def memory_kb(field: str) -> int | None:
@@ -113,7 +99,7 @@ def measure(run: str, config, batch: int, length: int, steps: int) -> dict:
         model.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - began)
     peak_kb = memory_kb("VmHWM")
-    state = state_tensors(optimizer)
+    state = optimizer_tensors(optimizer)
     result = {"psi": psi, "params": storage_bytes(params), "grads": grads, "optimizer": storage_bytes(state),
               "step_s": statistics.median(times[1:] if len(times) > 1 else times),
               "peak_mb": None if peak_kb is None else (peak_kb - start_kb) / 1024}
