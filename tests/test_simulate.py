@@ -1,0 +1,115 @@
+"""python -m common.simulate: one training step at a simulated world size, trusted where it can be checked.
+
+The simulation plays rank 0 of N under torch's fake backend, on fake tensors. The same function runs here
+under a real gloo group with real tensors: rank 0's persistent state (parameters, gradients, optimizer
+state) and its collectives (kind, count, bytes) must be the same. Then the persistent state must agree
+with common.plan at sizes no machine here has, and a planted error in the plan's formula must show.
+"""
+import json
+from dataclasses import asdict, replace
+
+import pytest
+import torch.distributed as dist
+
+import common.plan as planner
+from common.simulate import Case, fake_group, main, measure_step, simulate
+from common.spawn import run_in_process_group
+
+SMALL = Case("fsdp", 2, 2, layers=2, hidden=64, batch=4)
+CHECKED = ("param_bytes", "grad_bytes", "optimizer_bytes", "collectives")  # what equals a real run, below
+STATE = ("param_bytes", "grad_bytes", "optimizer_bytes")
+
+
+def real_rank0(rank, world_size, cases):
+    """Each case under the real gloo group of this many processes: rank 0's measurements."""
+    return [asdict(measure_step(replace(case, gpus=world_size), fake=False)) for case in cases]
+
+
+def simulated(case):
+    fake_group(case.gpus)
+    try:
+        return asdict(measure_step(case, fake=True))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_simulation_is_the_real_run_at_2_and_3_processes(world_size):
+    """DDP (emulated in both) agrees in everything; the peak of the others differs where the real backend
+    allocates its own staging copies, which fake collectives do not (the module docstring)."""
+    cases = [replace(SMALL, strategy=strategy, gpus=world_size) for strategy in ("fsdp", "zero1", "zero2", "zero3", "ddp")]
+    real = run_in_process_group(real_rank0, world_size, cases, timeout=120)
+    for case, measured in zip(cases, real):
+        fake = simulated(case)
+        assert {key: fake[key] for key in CHECKED} == {key: measured[key] for key in CHECKED}, case.strategy
+        assert fake["collectives"], case.strategy  # a step without collectives would make the check above empty
+    assert simulated(cases[-1]) == real[-1]
+
+
+def test_hsdp_on_a_2_by_2_mesh_is_the_real_run():
+    case = replace(SMALL, strategy="hsdp", gpus=4, gpus_per_node=2)
+    fake, real = simulated(case), run_in_process_group(real_rank0, 4, [case], timeout=120)[0]
+    assert {key: fake[key] for key in CHECKED} == {key: real[key] for key in CHECKED}
+    assert [c["kind"] for c in fake["collectives"]] == ["all_reduce", "all_gather", "reduce_scatter"]
+
+
+def disagreements(sizes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Where the plan's parameters, gradients or optimizer state differ from the simulation by more than 5 %."""
+    found = []
+    for strategy, world_sizes in sizes.items():
+        for gpus in world_sizes:
+            result = simulate(Case(strategy, gpus, min(8, gpus), layers=2, hidden=1024, batch=2))
+            for key in STATE:
+                ratio = result["measured"][key] / result["planned"][key]
+                if abs(ratio - 1) > 0.05:
+                    found.append(f"{strategy} at {gpus}: {key} measured/planned = {ratio:.3f}")
+    return found
+
+
+ALL_SIZES = (1, 2, 3, 4, 8, 64, 512, 1024)
+
+
+def test_the_plan_agrees_with_the_simulation_up_to_1024_ranks():
+    assert disagreements({"fsdp": ALL_SIZES, "zero3": ALL_SIZES, "zero1": (1, 3, 1024), "zero2": (1, 3, 1024),
+                          "ddp": (1, 1024), "hsdp": (8, 64, 1024)}) == []
+
+
+def test_a_planted_error_in_the_plans_formula_shows(monkeypatch):
+    """The control: AdamW's state counted as 12 bytes per parameter in fp32 (the mixed figure) is caught."""
+    monkeypatch.setitem(planner.BYTES_PER_PARAM, "fp32", (4, 4, 12))
+    assert disagreements({"fsdp": (64,)}) == ["fsdp at 64: optimizer_bytes measured/planned = 0.667"]
+
+
+def test_1024_ranks_of_fsdp_gather_each_layer_twice_and_hold_a_1024th(capsys):
+    main(["--layers", "8", "--hidden", "1024", "--gpus", "1024", "--strategy", "fsdp", "--json"])
+    [result] = json.loads(capsys.readouterr().out)
+    assert result["measured"]["param_bytes"] == 8 * (1024 * 1024 + 1024) * 4 // 1024
+    assert result["measured"]["collectives"] == [
+        {"kind": "all_gather", "count": 16, "bytes_per_rank": 2 * 8 * (1024 * 1024 + 1024) * 4},
+        {"kind": "reduce_scatter", "count": 8, "bytes_per_rank": 8 * (1024 * 1024 + 1024) * 4 // 1024}]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--layers", "2", "--hidden", "64", "--gpus", "12", "--gpus-per-node", "8", "--strategy", "hsdp"],
+     "--gpus 12 is not a whole number of nodes of --gpus-per-node 8"),
+    (["--model", "MISSING", "--gpus", "2"], "no config.json there and not in the Hugging Face cache"),
+    (["--layers", "2", "--hidden", "64", "--strategy", "zero3", "--wrap", "blocks+embeddings"],
+     "--wrap blocks+embeddings is FSDP2's: zero3 has no groups of blocks to wrap"),
+])
+def test_bad_input_is_one_sentence(argv, says, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_a_tied_model_is_refused_by_zero_and_by_the_split_wrap(tmp_path, capsys):
+    from transformers import GPT2Config
+    GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, architectures=["GPT2LMHeadModel"],
+               eos_token_id=0).save_pretrained(tmp_path)
+    for argv, says in ((["--strategy", "zero2"], "common/zero.py refuses this model"),
+                       (["--wrap", "blocks+embeddings"], "ties its output head to its input embedding")):
+        with pytest.raises(SystemExit):
+            main(["--model", str(tmp_path), "--gpus", "2", "--seq", "8", *argv])
+        assert says in capsys.readouterr().err
