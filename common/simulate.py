@@ -290,13 +290,18 @@ def plan_model(case: Case) -> planner.Model:
 
 
 def planned(case: Case, model: planner.Model) -> dict:
-    """common.plan's numbers for the same case, in the same names; None where the plan has none."""
+    """common.plan's numbers for the same case, in the same names; None where the plan has none.
+
+    The state is the plan's fp32 accounting in both precisions: what --precision mixed runs here (FSDP2's
+    policy, or autocast) keeps fp32 parameters, gradients and AdamW state. The plan's own mixed is the ZeRO
+    paper's recipe (16-bit weights and gradients, an fp32 master copy), which none of these holds
+    (docs/plan.md, "Which precision to plan with"). Activations and FSDP2's gathers are 16-bit in mixed."""
     shards = case.gpus_per_node if case.strategy == "hsdp" else case.gpus
-    params, grads, optimizer = planner.memory_bytes(case.strategy, model.params, shards, case.precision)
+    params, grads, optimizer = planner.memory_bytes(case.strategy, model.params, shards, "fp32")
     activations = planner.activation_bytes(model, case.batch, case.seq, case.precision, case.recompute)
-    param_size, grad_size, _ = planner.BYTES_PER_PARAM[case.precision]
-    pieces = planner.collectives_per_step(case.strategy, model, grad_size * model.params)
-    full_params, full_grads = param_size * model.params, grad_size * model.params
+    gathered = 2 if case.precision == "mixed" and case.strategy in ("fsdp", "hsdp") else 4  # bytes per parameter
+    pieces = planner.collectives_per_step(case.strategy, model, 4 * model.params)
+    full_params, full_grads = gathered * model.params, 4 * model.params
     if case.strategy == "ddp":
         collectives = [("all_reduce", pieces, full_grads)]
     elif case.strategy in ("zero1", "zero2"):

@@ -53,12 +53,12 @@ def test_hsdp_on_a_2_by_2_mesh_is_the_real_run():
     assert [c["kind"] for c in fake["collectives"]] == ["all_reduce", "all_gather", "reduce_scatter"]
 
 
-def disagreements(sizes: dict[str, tuple[int, ...]]) -> list[str]:
+def disagreements(sizes: dict[str, tuple[int, ...]], precision: str = "fp32") -> list[str]:
     """Where the plan's parameters, gradients or optimizer state differ from the simulation by more than 5 %."""
     found = []
     for strategy, world_sizes in sizes.items():
         for gpus in world_sizes:
-            result = simulate(Case(strategy, gpus, min(8, gpus), layers=2, hidden=1024, batch=2))
+            result = simulate(Case(strategy, gpus, min(8, gpus), layers=2, hidden=1024, batch=2, precision=precision))
             for key in STATE:
                 ratio = result["measured"][key] / result["planned"][key]
                 if abs(ratio - 1) > 0.05:
@@ -72,6 +72,19 @@ ALL_SIZES = (1, 2, 3, 4, 8, 64, 512, 1024)
 def test_the_plan_agrees_with_the_simulation_up_to_1024_ranks():
     assert disagreements({"fsdp": ALL_SIZES, "zero3": ALL_SIZES, "zero1": (1, 3, 1024), "zero2": (1, 3, 1024),
                           "ddp": (1, 1024), "hsdp": (8, 64, 1024)}) == []
+
+
+def test_in_the_mixed_policy_the_plan_counts_fp32_state_and_bf16_gathers():
+    """FSDP2's MixedPrecisionPolicy keeps fp32 shards (the plan's fp32 accounting, not the ZeRO paper's mixed)
+    and gathers bf16 copies: half the bytes of an fp32 gather, the reduce-scatter still fp32."""
+    assert disagreements({"fsdp": (1, 3, 64, 1024), "zero3": (3, 1024), "hsdp": (64,)}, "mixed") == []
+    fp32, mixed = (simulate(replace(SMALL, precision=precision)) for precision in ("fp32", "mixed"))
+    for result in (fp32, mixed):  # the bytes; the counts differ where the root group holds nothing (the plan adds one)
+        measured, planned = ({c["kind"]: c["bytes_per_rank"] for c in result[side]["collectives"]}
+                             for side in ("measured", "planned"))
+        assert measured == pytest.approx(planned)
+    gathered = [result["measured"]["collectives"][0]["bytes_per_rank"] for result in (fp32, mixed)]
+    assert gathered[1] * 2 == gathered[0]
 
 
 def test_a_planted_error_in_the_plans_formula_shows(monkeypatch):
