@@ -77,15 +77,14 @@ class CollectiveLog(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         c10d = torch.ops.c10d
-        self.outputs = {c10d.allreduce_.default: ("all_reduce", 0), c10d.broadcast_.default: ("broadcast", 0),
-                        c10d._allgather_base_.default: ("all_gather", 0), c10d.allgather_.default: ("all_gather", 0),
-                        c10d._reduce_scatter_base_.default: ("reduce_scatter", 0)}
+        self.kinds = {c10d.allreduce_.default: "all_reduce", c10d.broadcast_.default: "broadcast",
+                      c10d._allgather_base_.default: "all_gather", c10d.allgather_.default: "all_gather",
+                      c10d._reduce_scatter_base_.default: "reduce_scatter"}  # each writes into its first argument
         self.calls = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.outputs:
-            kind, output = self.outputs[func]
-            self.calls.append((kind, _bytes(args[output])))
+        if func in self.kinds:
+            self.calls.append((self.kinds[func], _bytes(args[0])))
         return func(*args, **(kwargs or {}))
 
     def summary(self) -> list[dict]:
