@@ -5,7 +5,7 @@ resident set comes from the kernel (os.wait4's ru_maxrss, the child's own, in Ki
 case is Llama-shaped (80 layers, hidden 8192, MLP 28672, 64 heads, 8 KV heads, vocabulary 128,256, an
 untied head), written as a config.json here: nothing is downloaded.
 
-    python benchmarks/simulate_speed.py --plot docs/images/simulate_speed_cpu.png
+    python benchmarks/simulate_speed.py --plot simulate_speed.png
     python benchmarks/simulate_speed.py --cases 8b:fsdp:64   # one case: SIZE:STRATEGY:GPUS
 """
 import argparse

@@ -9,7 +9,7 @@ one sequence of 2,048 tokens per rank, fp32, under the fake backend.
          block (the embedding and the head stay in the root group, gathered whole all step), with the
          embedding and the head as groups of their own, and each with activation checkpointing
 
-    python figures/simulate_memory.py        # docs/images/simulate_memory.png, a few minutes
+    python figures/simulate_memory.py        # the figure, at full size: a few minutes
     python figures/simulate_memory.py --toy  # seconds: a 2-layer model, 1 and 8 ranks
 """
 from transformers import LlamaConfig

@@ -47,7 +47,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from common.machine import machine_name  # noqa: E402  (after the path above)
 from common.plan import GB, GPU, GPUS, NETWORKS, model_of_config, plan, step_flops  # noqa: E402
 from common.precision import FP16_DEVICES, auto_precision, autocast, grad_scaler, optimizer_step  # noqa: E402
-from sharded_memory import state_tensors, storage_bytes  # noqa: E402
+from common.memory import optimizer_tensors, storage_bytes  # noqa: E402
 
 RESULTS = ROOT / "docs" / "gpu_results.md"
 NO_GPU = "gpu-check: no CUDA GPU is visible on this machine, so there is nothing to check; run it where there is one."
@@ -189,7 +189,7 @@ def bert_base_row(precision: str, device: torch.device, config=None, batch: int 
     seconds = time.perf_counter() - start
     params = list(model.parameters())
     row = {"samples_per_s": steps * batch / seconds, "batch": batch, "tokens": tokens,
-           "state_bytes": storage_bytes([*params, *(p.grad for p in params), *state_tensors(optimizer)]),
+           "state_bytes": storage_bytes([*params, *(p.grad for p in params), *optimizer_tensors(optimizer)]),
            "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None}
     del model, optimizer
     if cuda:
