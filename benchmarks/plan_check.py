@@ -116,7 +116,7 @@ def check(config, world_sizes, batch, length, steps) -> list[dict]:
                          "collectives": predicted.collectives,
                          "measured": {part: max(rank[part] for rank in ranks) for part in PARTS}
                          | {"step_s": max(rank["step_s"] for rank in ranks)},
-                         "predicted": {"params": predicted.params_bytes, "grads": predicted.grads_bytes,
+                         "predicted": {"params": predicted.param_bytes, "grads": predicted.grad_bytes,
                                        "optimizer": predicted.optimizer_bytes, "step_s": predicted.step_s}})
     return rows
 

@@ -11,8 +11,15 @@ parameters trained with Adam hold, on every rank, parameters, gradients and K·�
 ZeRO-1 divides the optimizer term by the N ranks that shard it, ZeRO-2 the gradients too, ZeRO-3 and FSDP
 all three; HSDP shards like FSDP within a node and replicates across nodes (the shard count is the GPUs
 per node). Activations are an estimate (Korthikanti et al. 2022, "Reducing activation recomputation",
-section 4.1: s·b·h·(34 + 5·a·s/h) bytes per transformer layer in 16-bit, twice that in fp32); they need
-the layer count, width and heads, which --model reads from the config.
+section 4.1: 34·s·b·h bytes per transformer layer in 16-bit, twice that in fp32; their 5·a·s²·b more
+for the attention scores only with --attention eager, since fused attention, torch's SDPA and
+transformers' default, never stores them), plus a language model's logits, s·b·V in fp32 for the loss;
+they need the layer count, width and heads, which --model reads from the config. FSDP and HSDP also hold
+parameters gathered whole: the root group (what no block holds: the embeddings, the final norm, the head)
+all step, two blocks (the one running, the next prefetched) and the whole fp32 gradient of a block (or
+of the root, at the end of backward) before its reduce-scatter; with --wrap blocks+embeddings the embedding and the head leave the root and are
+gathered in turn, like blocks. --model knows the blocks' sizes; --params does not, and leaves the gathers
+out. The total adds the activations to the state and the gathers; common.simulate measures all three.
 
 Time per step: compute is 6 FLOPs per parameter per token (the matrices; embeddings do no matmul) plus
 the attention scores, 6·L·s·h per token (Kaplan et al. 2020, table 1, times 3 for forward and backward),
@@ -93,6 +100,10 @@ class Model:
     hidden: int | None = None
     heads: int | None = None
     powersgd_numel: dict | None = None  # PowerSGD's rank -> the elements it sends (from the parameter shapes)
+    block_params: int | None = None  # the largest transformer block's
+    root_params: int | None = None  # outside every block: embeddings, final norm, pooler, head
+    end_params: tuple[int, int] | None = None  # the input embedding's and the output head's (0 if none)
+    vocab: int | None = None  # a language model's: its logits, one per token and word
 
 
 class PlanError(ValueError):
@@ -106,13 +117,34 @@ def memory_bytes(strategy: str, params: int, shards: int, precision: str = "mixe
                  for term, per_param in enumerate(BYTES_PER_PARAM[precision]))
 
 
-def activation_bytes(model: Model, batch: int, seq: int, precision: str, recompute: bool = False) -> float | None:
+def activation_bytes(model: Model, batch: int, seq: int, precision: str, recompute: bool = False,
+                     attention: str = "fused") -> float | None:
     """Korthikanti et al.'s activations of one forward (with full recomputation, only each layer's input,
-    2·s·b·h); None without the shape."""
+    2·s·b·h); the attention scores (5·a·s/h more per s·b·h) only where attention is eager; a language
+    model's logits, s·b·V in fp32 for the loss; None without the shape."""
     if None in (model.layers, model.hidden, model.heads):
         return None
     s, h, a = seq, model.hidden, model.heads
-    return model.layers * s * batch * h * (2 if recompute else 34 + 5 * a * s / h) * (2 if precision == "fp32" else 1)
+    per_layer = 2 if recompute else 34 + (5 * a * s / h if attention == "eager" else 0)
+    logits = 4 * s * batch * model.vocab if model.vocab else 0
+    return model.layers * s * batch * h * per_layer * (2 if precision == "fp32" else 1) + logits
+
+
+def gathered_bytes(strategy: str, model: Model, precision: str, wrap: str = "blocks") -> float | None:
+    """The most that FSDP and HSDP hold gathered at once (fully_shard_blocks' groups): the root group, all
+    step; two units (the one running and the next, prefetched); and the whole fp32 gradient of a unit or,
+    at the end of backward, of the root, waiting for its reduce-scatter. A unit is a block, or with
+    wrap="blocks+embeddings" also the embedding or the head, which then leave the root. 0 where nothing is
+    sharded; None where the blocks' sizes are unknown (--params), and for ZeRO-3, whose units are modules,
+    not blocks (common/zero.py)."""
+    if strategy in ("ddp", "zero1", "zero2"):
+        return 0
+    if strategy == "zero3" or model.block_params is None:
+        return None
+    root, unit = model.root_params, model.block_params
+    if wrap == "blocks+embeddings":
+        root, unit = root - sum(model.end_params), max(unit, *model.end_params)
+    return BYTES_PER_PARAM[precision][0] * (root + 2 * unit) + 4 * max(unit, root)
 
 
 def step_flops(model: Model, tokens: int, seq: int) -> float:
@@ -143,10 +175,11 @@ def collectives_per_step(strategy: str, model: "Model", grad_bytes: float) -> in
 class Plan:
     """One strategy's prediction, per GPU; seconds per step, bytes per GPU."""
     strategy: str
-    params_bytes: float
-    grads_bytes: float
+    param_bytes: float
+    grad_bytes: float
     optimizer_bytes: float
     activation_bytes: float | None
+    gathered_bytes: float | None
     total_bytes: float
     fits: bool
     compute_s: float
@@ -199,14 +232,16 @@ def communication(strategy: str, params: int, gpus: int, per_node: int, precisio
 
 def plan(strategy: str, model: Model, gpus: int, per_node: int, gpu: GPU, intra: Link, inter: Link,
          precision: str = "mixed", batch: int = 8, seq: int = 512, mfu: float = 0.4, compression: str = "none",
-         overlap: bool = True, gloo: bool = False, recompute: bool = False, pieces: int | None = None) -> Plan:
+         overlap: bool = True, gloo: bool = False, recompute: bool = False, pieces: int | None = None,
+         attention: str = "fused", wrap: str = "blocks") -> Plan:
     """The prediction for one strategy; batch is per GPU. recompute: activation checkpointing, which
     keeps each layer's input only and runs the forward twice (8 FLOPs per parameter per token, not 6).
     pieces: collectives of each kind per step, where they are known (else collectives_per_step's)."""
     shards = per_node if strategy == "hsdp" else gpus
     parts = memory_bytes(strategy, model.params, shards, precision)
-    activations = activation_bytes(model, batch, seq, precision, recompute)
-    total = sum(parts) + (activations or 0)
+    activations = activation_bytes(model, batch, seq, precision, recompute, attention)
+    gathered = gathered_bytes(strategy, model, precision, wrap)
+    total = sum(parts) + (activations or 0) + (gathered or 0)
     peak = gpu.flops_fp32 if precision == "fp32" else gpu.flops_16bit
     compute = step_flops(model, batch * seq, seq) * (4 / 3 if recompute else 1) / (peak * mfu)
     pieces = pieces or collectives_per_step(strategy, model, BYTES_PER_PARAM[precision][1] * model.params)
@@ -220,35 +255,52 @@ def plan(strategy: str, model: Model, gpus: int, per_node: int, gpu: GPU, intra:
         hidden = min(during_backward, 2 / 3 * compute)  # backward is two thirds of the compute
     exposed = during_backward + rest - hidden
     step = compute + exposed
-    return Plan(STRATEGIES[strategy], *parts, activations, total, total <= gpu.memory_bytes,
+    return Plan(STRATEGIES[strategy], *parts, activations, gathered, total, total <= gpu.memory_bytes,
                 compute, during_backward + rest, hidden, exposed, step, batch * gpus / step, compute / step, what,
                 pieces)
 
 
-def count_parameters(name: str) -> Model:
-    """Parameters of a hub model or a local config folder, counted on the meta device: no weights are
-    loaded or downloaded. Hub names are looked up in the local cache only."""
+def load_config(name: str):
+    """A transformers config from a local folder or the Hugging Face cache; nothing is downloaded."""
     from transformers import AutoConfig
     try:
-        config = AutoConfig.from_pretrained(name, local_files_only=True)
+        return AutoConfig.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError):
         raise PlanError(f"--model {name}: no config.json there and not in the Hugging Face cache (nothing is "
                         "downloaded): pass a local folder holding the model's config.json") from None
-    return model_of_config(config)
+
+
+def head_class(config):
+    """The model a config is trained as here: a causal LM where its architectures name one (with its head,
+    untied or not), else a sequence classifier (the course's BERT task)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    causal = any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in (config.architectures or []))
+    return AutoModelForCausalLM if causal or getattr(config, "is_decoder", False) else AutoModelForSequenceClassification
 
 
 def model_of_config(config, model_class=None, powersgd_ranks=(1, 4)) -> Model:
-    """A transformers config's model built on the meta device (AutoModel unless model_class), counted."""
+    """A transformers config's model (head_class's unless model_class) built on the meta device, counted."""
     import torch
-    from transformers import AutoModel
+
+    from common.fsdp import transformer_blocks
     with torch.device("meta"):
-        model = (model_class or AutoModel).from_config(config)
+        model = (model_class or head_class(config)).from_config(config)
     params = list(model.parameters())  # a tied parameter once
     embeddings = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
     powersgd = {rank: sum(powersgd_numel(p.shape, rank) for p in params) for rank in powersgd_ranks}
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     shape = [getattr(text, key, None) for key in ("num_hidden_layers", "hidden_size", "num_attention_heads")]
-    return Model(sum(p.numel() for p in params), embeddings, *shape, powersgd)
+    count = lambda module: sum(p.numel() for p in module.parameters()) if module is not None else 0  # noqa: E731
+    try:
+        blocks = [count(block) for block in transformer_blocks(model)]
+    except ValueError:  # no blocks it knows: no gathers planned
+        return Model(sum(p.numel() for p in params), embeddings, *shape, powersgd)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight  # one parameter: counted with the embedding
+    total = sum(p.numel() for p in params)
+    vocab = text.vocab_size if head is not None and head.out_features == text.vocab_size else None
+    return Model(total, embeddings, *shape, powersgd, max(blocks), total - sum(blocks),
+                 (count(embedding), 0 if tied else count(head)), vocab)
 
 
 def positive(kind):
@@ -290,6 +342,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     parser.add_argument("--seq", type=positive(int), default=512, help="tokens per sequence (default: 512)")
     parser.add_argument("--recompute", action="store_true",
                         help="activation checkpointing: keep each layer's input only, run the forward twice")
+    parser.add_argument("--attention", choices=("fused", "eager"), default="fused",
+                        help="fused (default: SDPA, FlashAttention) stores no attention scores; eager stores them")
+    parser.add_argument("--wrap", choices=("blocks", "blocks+embeddings"), default="blocks",
+                        help="FSDP's groups: each block and the root (default), or the embedding and head apart too")
     parser.add_argument("--layers", type=positive(int), help="with --params: layers, for activations and attention")
     parser.add_argument("--hidden", type=positive(int), help="with --params: hidden size")
     parser.add_argument("--heads", type=positive(int), help="with --params: attention heads")
@@ -324,7 +380,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
 def main(argv=None) -> None:
     args, parser = parse_args(argv)
     try:
-        model = count_parameters(args.model) if args.model else \
+        model = model_of_config(load_config(args.model)) if args.model else \
             Model(args.params, 0, args.layers, args.hidden, args.heads)
     except PlanError as error:
         parser.error(str(error))
@@ -340,12 +396,14 @@ def main(argv=None) -> None:
     if args.latency_us:
         inter = replace(inter, name=f"{inter.name}, {args.latency_us:g} µs", latency=args.latency_us * 1e-6)
     plans = [plan(name, model, args.gpus, args.gpus_per_node, gpu, args.intra, inter, args.precision, args.batch,
-                  args.seq, args.mfu, args.compression, recompute=args.recompute) for name in args.strategy]
+                  args.seq, args.mfu, args.compression, recompute=args.recompute, attention=args.attention,
+                  wrap=args.wrap) for name in args.strategy]
     if args.json:
         print(json.dumps({"params": model.params, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
                           "gpu": asdict(gpu), "intra": asdict(args.intra), "network": asdict(inter),
                           "precision": args.precision, "batch_per_gpu": args.batch, "seq": args.seq,
                           "mfu": args.mfu, "compression": args.compression, "recompute": args.recompute,
+                          "attention": args.attention, "wrap": args.wrap,
                           "plans": [asdict(p) for p in plans]}, indent=1))
         return
     nodes = args.gpus // args.gpus_per_node
@@ -358,18 +416,21 @@ def main(argv=None) -> None:
     for p in plans:
         print(f"{p.strategy}: {p.total_bytes / GB:.1f} GB per GPU")
     print()
-    print("| strategy | params GB | grads GB | optimizer GB | activations GB | total GB | fits "
+    print("| strategy | params GB | grads GB | optimizer GB | activations GB | gathered GB | total GB | fits "
           f"{gpu.memory_bytes / GB:g} GB | compute ms | comm ms | hidden ms | exposed ms | step ms | samples/s "
           "| scaling eff. | what moves |")
-    print("|---|" + "---:|" * 13 + "---|")
+    print("|---|" + "---:|" * 14 + "---|")
     for p in plans:
-        activations = "n/a" if p.activation_bytes is None else f"{p.activation_bytes / GB:.1f}"
-        print(f"| {p.strategy} | {p.params_bytes / GB:.2f} | {p.grads_bytes / GB:.2f} | {p.optimizer_bytes / GB:.2f} "
-              f"| {activations} | {p.total_bytes / GB:.1f} | {'yes' if p.fits else 'NO'} | {p.compute_s * 1e3:.1f} "
+        activations, gathered = ("n/a" if value is None else f"{value / GB:.1f}" for value in (p.activation_bytes, p.gathered_bytes))
+        print(f"| {p.strategy} | {p.param_bytes / GB:.2f} | {p.grad_bytes / GB:.2f} | {p.optimizer_bytes / GB:.2f} "
+              f"| {activations} | {gathered} | {p.total_bytes / GB:.1f} | {'yes' if p.fits else 'NO'} | {p.compute_s * 1e3:.1f} "
               f"| {p.communication_s * 1e3:.1f} | {p.hidden_s * 1e3:.1f} | {p.exposed_s * 1e3:.1f} "
               f"| {p.step_s * 1e3:.1f} | {p.samples_per_s:,.0f} | {p.scaling_efficiency:.0%} | {p.communication} |")
     if model.layers is None:
         print("Activations not counted: give --model, or --layers, --hidden and --heads.")
+    if any(p.gathered_bytes is None for p in plans):
+        print("Gathered parameters (n/a) not counted: " + ("give --model, whose blocks they are." if model.block_params is None
+              else "ZeRO-3 here gathers each module, not each block (common/zero.py)."))
 
 
 if __name__ == "__main__":

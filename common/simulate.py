@@ -132,9 +132,9 @@ def build(case: Case) -> tuple[nn.Module, dict, callable]:
         model = LinearStack(case.layers, case.hidden)
         inputs = {"x": torch.randn(case.batch, case.hidden)}
         return model, inputs, lambda out: out.float().pow(2).mean()
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-    causal = any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in (case.config.architectures or [])) or getattr(case.config, "is_decoder", False)
-    model_class = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM
+    model_class = planner.head_class(case.config)
+    causal = model_class is AutoModelForCausalLM
     try:
         model = model_class.from_config(case.config)
     except (ValueError, NotImplementedError, RuntimeError) as error:
@@ -285,7 +285,9 @@ def _measured(case: Case, mesh) -> Measured:
 def plan_model(case: Case) -> planner.Model:
     if case.config is not None:
         return planner.model_of_config(case.config)
-    return planner.Model(case.layers * (case.hidden * case.hidden + case.hidden), 0, case.layers, case.hidden, None)
+    block = case.hidden * case.hidden + case.hidden
+    return planner.Model(case.layers * block, 0, case.layers, case.hidden, None, block_params=block, root_params=0,
+                         end_params=(0, 0))
 
 
 def planned(case: Case, model: planner.Model) -> dict:
@@ -294,11 +296,15 @@ def planned(case: Case, model: planner.Model) -> dict:
     The state is the plan's fp32 accounting in both precisions: what --precision mixed runs here (FSDP2's
     policy, or autocast) keeps fp32 parameters, gradients and AdamW state. The plan's own mixed is the ZeRO
     paper's recipe (16-bit weights and gradients, an fp32 master copy), which none of these holds
-    (docs/plan.md, "Which precision to plan with"). Activations and FSDP2's gathers are 16-bit in mixed."""
+    (docs/plan.md, "Which precision to plan with"). Activations and FSDP2's gathers are 16-bit in mixed.
+    unsharded_param_bytes is every parameter gathered at the peak: the plan does not split them, as the
+    tracker does, between "Unsharded Param" and the all-gather buffers they are views of (comm_buffer_bytes),
+    so it compares with the two measured together."""
     shards = case.gpus_per_node if case.strategy == "hsdp" else case.gpus
     params, grads, optimizer = planner.memory_bytes(case.strategy, model.params, shards, "fp32")
     activations = planner.activation_bytes(model, case.batch, case.seq, case.precision, case.recompute)
     gathered = 2 if case.precision == "mixed" and case.strategy in ("fsdp", "hsdp") else 4  # bytes per parameter
+    unsharded = planner.gathered_bytes(case.strategy, model, case.precision if gathered == 2 else "fp32", case.wrap)
     pieces = planner.collectives_per_step(case.strategy, model, 4 * model.params)
     full_params, full_grads = gathered * model.params, 4 * model.params
     if case.strategy == "ddp":
@@ -311,8 +317,8 @@ def planned(case: Case, model: planner.Model) -> dict:
             collectives.append(("all_reduce", pieces, full_grads / shards))
     collectives.sort(key=lambda entry: KINDS.index(entry[0]))
     return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optimizer, "activation_bytes": activations,
-            "unsharded_param_bytes": None, "comm_buffer_bytes": None,
-            "peak_bytes": params + grads + optimizer + (activations or 0),
+            "unsharded_param_bytes": unsharded, "comm_buffer_bytes": None,
+            "peak_bytes": params + grads + optimizer + (activations or 0) + (unsharded or 0),
             "collectives": [{"kind": kind, "count": count, "bytes_per_rank": size} for kind, count, size in collectives]}
 
 
@@ -345,13 +351,12 @@ def simulate(case: Case) -> dict:
             "measured": asdict(measured), "planned": planned(case, model)}
 
 
-def load_config(name: str):
-    from transformers import AutoConfig
-    try:
-        return AutoConfig.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError):
-        raise SimulationError(f"--model {name}: no config.json there and not in the Hugging Face cache (nothing is "
-                              "downloaded): pass a local folder holding the model's config.json") from None
+def gathered_and_buffers(numbers: dict) -> int | None:
+    """Parameters gathered whole at the peak with the buffers around them (FSDP2's all-gather buffers, which
+    the tracker tells apart from "Unsharded Param" where the plan does not; DDP's bucket buffers)."""
+    if numbers["unsharded_param_bytes"] is None:
+        return None
+    return numbers["unsharded_param_bytes"] + (numbers["comm_buffer_bytes"] or 0)
 
 
 def parse_args(argv=None):
@@ -382,25 +387,24 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args, parser = parse_args(argv)
     try:
-        config = load_config(args.model) if args.model else None
+        config = planner.load_config(args.model) if args.model else None
         results = [simulate(Case(strategy, args.gpus, args.gpus_per_node, args.layers, args.hidden, config, args.batch,
                                  args.seq, args.precision, args.recompute, args.wrap)) for strategy in args.strategy]
-    except SimulationError as error:
+    except (SimulationError, planner.PlanError) as error:
         parser.exit(2, f"error: {error}\n")
     if args.json:
         print(json.dumps(results, indent=1))
         return
     print(f"{results[0]['params']:,} parameters at {args.gpus} simulated ranks, {args.precision}; per rank, "
           "measured (planned), MB = 10^6 bytes")
-    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "unsharded_param_bytes",
-            "comm_buffer_bytes", "peak_bytes")
-    print("| strategy | " + " | ".join(key.removesuffix("_bytes").replace("_", " ") + " MB" for key in keys)
-          + " | collectives per step |")
+    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "gathered_bytes", "peak_bytes")
+    print("| strategy | params MB | grads MB | optimizer MB | activations MB | gathered + buffers MB | peak MB "
+          "| collectives per step |")
     print("|---|" + "---:|" * len(keys) + "---|")
     for result in results:
-        cells = [f"{result['measured'][key] / 1e6:.1f}" + ("" if result["planned"][key] is None
-                                                           else f" ({result['planned'][key] / 1e6:.1f})") for key in keys]
-        calls = ", ".join(f"{c['count']} {c['kind'].replace('_', '-')}" for c in result["measured"]["collectives"])
+        measured, plan = ({**result[side], "gathered_bytes": gathered_and_buffers(result[side])} for side in ("measured", "planned"))
+        cells = [f"{measured[key] / 1e6:.1f}" + ("" if plan[key] is None else f" ({plan[key] / 1e6:.1f})") for key in keys]
+        calls = ", ".join(f"{c['count']} {c['kind'].replace('_', '-')}" for c in measured["collectives"])
         print(f"| {planner.STRATEGIES[result['strategy']]} | " + " | ".join(cells) + f" | {calls} |")
 
 

@@ -3,12 +3,13 @@ and benchmarks/plan_check.py's measured bytes per rank within 1 % of the plan's 
 import json
 import math
 import sys
+from dataclasses import replace
 
 import pytest
 from transformers import AutoModelForSequenceClassification
 
 from common.comm_hooks import powersgd_numel
-from common.plan import GPUS, NETWORKS, Model, main, memory_bytes, model_of_config, plan
+from common.plan import GPUS, NETWORKS, Model, activation_bytes, main, memory_bytes, model_of_config, plan
 from conftest import PYTHON, ROOT, assert_clear_error
 
 sys.path.insert(0, str(ROOT / "benchmarks"))  # plan_check imports its neighbour sharded_memory
@@ -72,13 +73,34 @@ def test_by_hand_presets(capsys):
 
 
 def test_model_counted_on_the_meta_device(capsys, tiny_bert):
-    """--model reads the config only: the count is that of the real model, and the JSON says so."""
-    from transformers import AutoModel
-    real = sum(p.numel() for p in AutoModel.from_pretrained(tiny_bert).parameters())
+    """--model reads the config only: the count is that of the real model with the head it trains with
+    here (a classifier for BERT), and the JSON says so in the names common.simulate's JSON uses."""
+    real = sum(p.numel() for p in AutoModelForSequenceClassification.from_pretrained(tiny_bert).parameters())
     main(["--model", str(tiny_bert), "--gpus", "2", "--strategy", "ddp", "--json", "--compression", "powersgd1"])
     out = json.loads(capsys.readouterr().out)
     assert out["params"] == real
     assert out["plans"][0]["activation_bytes"] > 0  # layers, width and heads came from the config
+    assert {"param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"} <= set(out["plans"][0])
+
+
+def test_a_language_models_untied_head_is_counted(tmp_path):
+    """A causal LM's config is counted with its head: an untied head is another vocabulary × width, which
+    the base model (AutoModel) leaves out, and its logits join the activations."""
+    from transformers import LlamaConfig
+    shape = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=500,
+                 architectures=["LlamaForCausalLM"], bos_token_id=0, eos_token_id=0)
+    tied, untied = (model_of_config(LlamaConfig(**shape, tie_word_embeddings=tie)) for tie in (True, False))
+    assert untied.params - tied.params == 500 * 16 and untied.end_params == (500 * 16, 500 * 16)
+    assert tied.end_params == (500 * 16, 0) and tied.vocab == untied.vocab == 500
+    logits = 4 * 8 * 500
+    assert activation_bytes(untied, 1, 8, "fp32") - activation_bytes(replace(untied, vocab=None), 1, 8, "fp32") == logits
+
+
+def test_fused_attention_stores_no_scores():
+    """Korthikanti et al.'s 5·a·s/h per s·b·h of attention scores, only where attention is eager."""
+    model = Model(10**9, 0, layers=2, hidden=64, heads=4)
+    fused, eager = (activation_bytes(model, 1, 128, "mixed", attention=kind) for kind in ("fused", "eager"))
+    assert fused == 2 * 128 * 64 * 34 and eager - fused == 2 * 128 * 64 * 5 * 4 * 128 / 64
 
 
 def test_powersgd_bytes_follow_torchs_rule():
@@ -96,7 +118,7 @@ def test_powersgd_bytes_follow_torchs_rule():
         params = list(AutoModel.from_config(config).parameters())
     torchs_rule = sum(powersgd_numel(p.shape, 4) for p in params)
     old_rule = sum(min(p.numel(), 4 * (p.shape[0] + p[0].numel())) if p.dim() > 1 else p.numel() for p in params)
-    assert model_of_config(config).powersgd_numel[4] == torchs_rule > old_rule
+    assert model_of_config(config, AutoModel).powersgd_numel[4] == torchs_rule > old_rule
 
 
 @pytest.mark.parametrize("argv, phrase", [

@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 import common.plan as planner
-from common.simulate import Case, fake_group, main, measure_step, simulate
+from common.simulate import Case, fake_group, gathered_and_buffers, main, measure_step, simulate
 from common.spawn import run_in_process_group
 
 SMALL = Case("fsdp", 2, 2, layers=2, hidden=64, batch=4)
@@ -88,9 +88,43 @@ def test_in_the_mixed_policy_the_plan_counts_fp32_state_and_bf16_gathers():
 
 
 def test_a_planted_error_in_the_plans_formula_shows(monkeypatch):
-    """The control: AdamW's state counted as 12 bytes per parameter in fp32 (the mixed figure) is caught."""
+    """The controls: AdamW's state counted as 12 bytes per parameter in fp32 (the mixed figure) is caught; so
+    is a plan that forgets the prefetched block."""
     monkeypatch.setitem(planner.BYTES_PER_PARAM, "fp32", (4, 4, 12))
     assert disagreements({"fsdp": (64,)}) == ["fsdp at 64: optimizer_bytes measured/planned = 0.667"]
+    monkeypatch.undo()
+    one_block = planner.gathered_bytes
+    monkeypatch.setattr(planner, "gathered_bytes", lambda *args: one_block(*args) - 4 * (1024 * 1024 + 1024))
+    measured, planned = gathers(STACK)
+    assert measured != planned
+
+
+TOY_LLAMA = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=4096, tie_word_embeddings=False, architectures=["LlamaForCausalLM"], bos_token_id=0,
+                 eos_token_id=0)
+
+
+STACK = Case("fsdp", 8, 8, layers=4, hidden=1024)  # blocks big beside their activations: the peak is the gathers'
+
+
+def gathers(case):
+    result = simulate(case)
+    return gathered_and_buffers(result["measured"]), gathered_and_buffers(result["planned"])
+
+
+def test_the_plan_counts_what_fsdp_holds_gathered():
+    """The most FSDP2 holds gathered at once: the root group, two blocks and the fp32 gradient of a block (a stack
+    without a root) or of the root (a language model whose head and embedding outweigh its blocks), byte for byte
+    where the peak is that moment, in fp32 and in the mixed policy's bf16 gathers. With the embedding and the head
+    wrapped apart, the peak comes at another moment, with less gathered: the 4096 × 64 head and embedding no
+    longer stay gathered all step."""
+    from transformers import LlamaConfig
+    llama = Case("fsdp", 8, 8, config=LlamaConfig(**TOY_LLAMA), seq=16)
+    for case in (STACK, replace(STACK, precision="mixed"), llama):
+        measured, planned = gathers(case)
+        assert measured == planned > 0, case
+    blocks, apart = gathers(llama), gathers(replace(llama, wrap="blocks+embeddings"))
+    assert apart[0] < blocks[0] and apart[0] <= apart[1] < blocks[1]
 
 
 def test_1024_ranks_of_fsdp_gather_each_layer_twice_and_hold_a_1024th(capsys):

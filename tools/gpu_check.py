@@ -219,7 +219,7 @@ def plan_beside(measured: dict, precision: str, gpu: GPU, config=None) -> dict:
     peak = gpu.flops_fp32 if kind == "fp32" else gpu.flops_16bit
     step_s = batch / measured["samples_per_s"]
     return {"samples_per_s": predicted.samples_per_s, "mfu": step_flops(shape, batch * tokens, tokens) / (step_s * peak),
-            "state_bytes": predicted.params_bytes + predicted.grads_bytes + predicted.optimizer_bytes,
+            "state_bytes": predicted.param_bytes + predicted.grad_bytes + predicted.optimizer_bytes,
             "total_bytes": predicted.total_bytes}
 
 
