@@ -429,8 +429,8 @@ def main(argv=None) -> None:
     if model.layers is None:
         print("Activations not counted: give --model, or --layers, --hidden and --heads.")
     if any(p.gathered_bytes is None for p in plans):
-        print("Gathered parameters (n/a) not counted: " + ("give --model, whose blocks they are." if model.block_params is None
-              else "ZeRO-3 here gathers each module, not each block (common/zero.py)."))
+        print("Gathered parameters not counted (n/a): " + ("they need the blocks' sizes, which --model reads."
+              if model.block_params is None else "common/zero.py's ZeRO-3 gathers module by module, not block by block."))
 
 
 if __name__ == "__main__":

@@ -190,7 +190,7 @@ class Measured:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int
-    unsharded_param_bytes: int
+    unsharded_param_bytes: int | None  # None for ZeRO-3: the tracker does not tell its gathers from the rest
     comm_buffer_bytes: int
     peak_bytes: int
     collectives: list = field(default_factory=list)
@@ -274,7 +274,7 @@ def _measured(case: Case, mesh) -> Measured:
     return Measured(
         param_bytes=storage_bytes(params), grad_bytes=grad_bytes, optimizer_bytes=storage_bytes(optimizer_tensors(optimizer)),
         activation_bytes=peak.get("Activation", 0),
-        unsharded_param_bytes=peak.get("Unsharded Param", 0) if sharded else 0,
+        unsharded_param_bytes=peak.get("Unsharded Param", 0) if sharded else None if case.strategy == "zero3" else 0,
         comm_buffer_bytes=peak.get("All Gather", 0) + peak.get("Reduce Scatter", 0) if sharded
         else storage_bytes(extra) if case.strategy == "ddp" else 0,
         peak_bytes=peak["Total"], collectives=log.summary())
@@ -297,9 +297,10 @@ def planned(case: Case, model: planner.Model) -> dict:
     policy, or autocast) keeps fp32 parameters, gradients and AdamW state. The plan's own mixed is the ZeRO
     paper's recipe (16-bit weights and gradients, an fp32 master copy), which none of these holds
     (docs/plan.md, "Which precision to plan with"). Activations and FSDP2's gathers are 16-bit in mixed.
-    unsharded_param_bytes is every parameter gathered at the peak: the plan does not split them, as the
-    tracker does, between "Unsharded Param" and the all-gather buffers they are views of (comm_buffer_bytes),
-    so it compares with the two measured together."""
+    unsharded_param_bytes is the most FSDP holds gathered at once (common.plan.gathered_bytes): the plan does
+    not split it, as the tracker does, between "Unsharded Param" and the all-gather buffers the parameters
+    are views of (comm_buffer_bytes), so it compares with the two measured together (gathered_and_buffers),
+    and only where the peak falls at that moment. The plan has no number for DDP's bucket buffers."""
     shards = case.gpus_per_node if case.strategy == "hsdp" else case.gpus
     params, grads, optimizer = planner.memory_bytes(case.strategy, model.params, shards, "fp32")
     activations = planner.activation_bytes(model, case.batch, case.seq, case.precision, case.recompute)
@@ -349,6 +350,10 @@ def simulate(case: Case) -> dict:
     model = plan_model(case)
     return {"strategy": case.strategy, "gpus": case.gpus, "params": model.params,
             "measured": asdict(measured), "planned": planned(case, model)}
+
+
+def megabytes(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 1e6:.1f}"
 
 
 def gathered_and_buffers(numbers: dict) -> int | None:
@@ -403,7 +408,7 @@ def main(argv=None) -> None:
     print("|---|" + "---:|" * len(keys) + "---|")
     for result in results:
         measured, plan = ({**result[side], "gathered_bytes": gathered_and_buffers(result[side])} for side in ("measured", "planned"))
-        cells = [f"{measured[key] / 1e6:.1f}" + ("" if plan[key] is None else f" ({plan[key] / 1e6:.1f})") for key in keys]
+        cells = [megabytes(measured[key]) + ("" if plan[key] is None else f" ({megabytes(plan[key])})") for key in keys]
         calls = ", ".join(f"{c['count']} {c['kind'].replace('_', '-')}" for c in measured["collectives"])
         print(f"| {planner.STRATEGIES[result['strategy']]} | " + " | ".join(cells) + f" | {calls} |")
 

@@ -3,9 +3,9 @@
 Every number is a `common.simulate` run: one AdamW step of a Llama-shaped model (Llama 3.2 1B's shape,
 16 layers, hidden 2048, vocabulary 128,256, with an untied head so that it can be wrapped on its own),
 one sequence of 2,048 tokens per rank, fp32, under the fake backend.
-  left   the peak per rank against the world size, for each strategy, beside common.plan's total
-         (dashed: its state plus its activation estimate)
-  right  FSDP2's peak at 64 ranks split by what it is made of (the tracker's categories), wrapped per
+  top     the peak per rank against the world size, for each strategy, beside common.plan's total
+          (dashed: its state, its activation estimate and FSDP's gathers)
+  bottom  FSDP2's peak at 64 ranks split by what it is made of (the tracker's categories), wrapped per
          block (the embedding and the head stay in the root group, gathered whole all step), with the
          embedding and the head as groups of their own, and each with activation checkpointing
 
@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 
 from common.machine import machine_name
 from common.plan import STRATEGIES as NAMES
-from common.simulate import STRATEGIES, Case, simulate
+from common.simulate import STRATEGIES, Case, gathered_and_buffers, simulate
 from style import COLORS, IMAGES, parser, plt, save
 
 SHAPES = {
@@ -30,9 +30,7 @@ SEQ = {"default": 2048, "toy": 32}
 BREAKDOWN_GPUS = {"default": 64, "toy": 8}
 WRAPS = {"per block": ("blocks", False), "embedding, head apart": ("blocks+embeddings", False),
          "per block, recompute": ("blocks", True), "apart, recompute": ("blocks+embeddings", True)}
-PARTS = [("sharded state", ("param_bytes", "grad_bytes", "optimizer_bytes")),
-         ("gathered parameters", ("unsharded_param_bytes",)), ("activations", ("activation_bytes",)),
-         ("communication buffers", ("comm_buffer_bytes",))]
+PARTS = ("sharded state", "gathered parameters", "activations", "other (backward's temporaries)")
 GB = 1e9
 
 
@@ -49,41 +47,43 @@ def record(size: str = "default") -> dict:
     return {"size": size, "curves": curves, "bars": bars, "machine": machine_name()}
 
 
-def parts(measured: dict) -> dict[str, float]:
-    """The peak split into PARTS, the rest of it (temporaries, inputs) as "other"."""
-    split = {name: sum(measured[key] for key in keys) for name, keys in PARTS}
-    return {**split, "other": max(0, measured["peak_bytes"] - sum(split.values()))}
+def parts(measured: dict) -> list[float]:
+    """The peak split into PARTS: the tracker's categories, gathered parameters with their all-gather buffers,
+    and the rest of the peak (gradients of activations in backward, the loss's copies, inputs)."""
+    split = [measured["param_bytes"] + measured["grad_bytes"] + measured["optimizer_bytes"],
+             gathered_and_buffers(measured), measured["activation_bytes"]]
+    return [*split, max(0, measured["peak_bytes"] - sum(split))]
 
 
 def draw(recording: dict, path) -> None:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [1.25, 1]})
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.2, 8.4), gridspec_kw={"height_ratios": [1.5, 1]})
     for color, (strategy, results) in zip(COLORS, recording["curves"].items()):
         gpus = [result["gpus"] for result in results]
-        left.plot(gpus, [r["measured"]["peak_bytes"] / GB for r in results], "o-", color=color, label=NAMES[strategy])
-        left.plot(gpus, [r["planned"]["peak_bytes"] / GB for r in results], "--", color=color, alpha=0.6)
-    left.set_xscale("log", base=2)
-    left.set_xticks(gpus, [str(n) for n in gpus])
-    left.set_yscale("log")
-    left.set_xlabel("simulated ranks (GPUs)")
-    left.set_ylabel("peak memory per rank, GB (10^9 bytes)")
-    left.set_title("simulated (solid) and planned (dashed)", fontsize=9)
-    left.legend(fontsize=8, ncol=2)
+        top.plot(gpus, [r["measured"]["peak_bytes"] / GB for r in results], "o-", color=color, label=NAMES[strategy])
+        top.plot(gpus, [r["planned"]["peak_bytes"] / GB for r in results], "--", color=color, alpha=0.6)
+    top.set_xscale("log", base=2)
+    top.set_xticks(gpus, [str(n) for n in gpus])
+    top.set_yscale("log")
+    top.set_xlabel("simulated ranks (GPUs)")
+    top.set_ylabel("peak memory per rank, GB (10^9 bytes)")
+    top.set_title("simulated (solid) and planned (dashed)", fontsize=9)
+    top.legend(fontsize=8, ncol=2)
     names = list(recording["bars"])[::-1]
     split = {name: parts(recording["bars"][name]["measured"]) for name in names}
     start = [0.0] * len(names)
-    for color, part in zip(COLORS, [name for name, _ in PARTS] + ["other"]):
-        widths = [split[name][part] / GB for name in names]
-        right.barh(names, widths, left=start, color=color, label=part)
+    for index, (color, part) in enumerate(zip(COLORS, PARTS)):
+        widths = [split[name][index] / GB for name in names]
+        bottom.barh(names, widths, left=start, color=color, label=part)
         start = [a + b for a, b in zip(start, widths)]
     for y, total in enumerate(start):
-        right.text(total, y, f" {total:.2f} GB", va="center", fontsize=8)
-    right.set_xlim(0, max(start) * 1.3)
-    right.set_xlabel("FSDP2's peak per rank, GB")
+        bottom.text(total, y, f" {total:.2f} GB", va="center", fontsize=8)
+    bottom.set_xlim(0, max(start) * 1.3)
+    bottom.set_xlabel("FSDP2's peak per rank, GB")
     gpus = recording["bars"][names[0]]["gpus"]
-    right.set_title(f"FSDP2 at {gpus} ranks: what the peak holds", fontsize=9)
-    right.legend(fontsize=8, loc="lower right")
+    bottom.set_title(f"FSDP2 at {gpus} ranks: what the peak holds", fontsize=9)
+    bottom.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2)
     params = recording["curves"]["fsdp"][0]["params"]
-    fig.suptitle(f"One AdamW step of a {params / 1e9:.2f} B-parameter Llama-shaped model, fp32, simulated on one "
+    fig.suptitle(f"One AdamW step of a {params / 1e9:.2f} B-parameter Llama-shaped model, fp32,\nsimulated on one "
                  f"{recording['machine']}", fontsize=10)
     fig.tight_layout()
     save(fig, path)

@@ -173,3 +173,17 @@ def test_basicnet_computes_the_seeds_function_at_less_cost():
     torch.manual_seed(1)
     assert torch.equal(dropout(ones), masked)
     assert torch.equal(dropout.eval()(ones), ones)
+
+
+def test_simulate_speed(run_command, tmp_path):
+    """One tiny Llama-shaped case, as the 8 B and 70 B ones run: a config written, one simulated step timed."""
+    plot = tmp_path / "simulate.png"
+    result = run_command(PYTHON, "benchmarks/simulate_speed.py", "--cases", "tiny:fsdp:8", "--seq", "16", "--plot", plot,
+                         timeout=300)
+    assert_table_and_plot(result, plot, "tiny:fsdp:8")
+    assert "| 5 all-gather, 3 reduce-scatter |" in result.stdout, result.stdout  # the root once, 2 blocks twice
+
+
+def test_simulate_speed_names_a_bad_case(run_command):
+    result = run_command(PYTHON, "benchmarks/simulate_speed.py", "--cases", "70b-fsdp-1024")
+    assert_clear_error(result, "write SIZE:STRATEGY:GPUS")

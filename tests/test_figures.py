@@ -29,6 +29,7 @@ import hsdp_mesh  # noqa: E402
 import overlap_timeline  # noqa: E402
 import resume_sequence  # noqa: E402
 import ring_allreduce  # noqa: E402
+import simulate_memory  # noqa: E402
 import step_time_breakdown  # noqa: E402
 import zero_stages  # noqa: E402
 
@@ -228,6 +229,21 @@ def test_compile_breakdown_at_toy_size(tmp_path):
     assert (tmp_path / "compile.png").stat().st_size > 0
 
 
+def test_simulate_memory_at_toy_size(tmp_path):
+    """Every strategy at 1 and 8 simulated ranks: sharding lowers the peak; FSDP's peak with the embedding and
+    the head wrapped apart is below the per-block wrap's, its gathered parameters the first to fall."""
+    recording = simulate_memory.record("toy")
+    assert {strategy: [r["gpus"] for r in results] for strategy, results in recording["curves"].items()} == \
+        {strategy: [1, 8] for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")}
+    peak = {strategy: [r["measured"]["peak_bytes"] for r in results] for strategy, results in recording["curves"].items()}
+    assert peak["zero3"][1] < peak["zero1"][1] < peak["ddp"][1] == peak["ddp"][0]
+    bars = {name: simulate_memory.parts(result["measured"]) for name, result in recording["bars"].items()}
+    assert sum(bars["embedding, head apart"]) < sum(bars["per block"])
+    assert bars["embedding, head apart"][1] < bars["per block"][1]  # the gathered parameters
+    simulate_memory.draw(recording, tmp_path / "simulate.png")
+    assert (tmp_path / "simulate.png").stat().st_size > 0
+
+
 def test_bus_bandwidth_at_toy_size(four, tmp_path):
     rows = four["busbw"]
     assert all(exact for *_, exact in rows)
@@ -242,7 +258,7 @@ def test_every_figure_is_committed():
     for name in ("ring_allreduce.svg", "ring_allreduce.gif", "allreduce_algorithms.svg", "overlap_timeline.png",
                  "bucket_assignment.svg", "accumulation_syncs.svg", "step_time_breakdown.png", "allreduce_busbw.png",
                  "compile_breakdown.png", "dp_vs_ddp.svg", "zero_stages.svg", "zero_stages.png", "ddp_step_lanes.svg",
-                 "resume_sequence.svg", "hsdp_mesh.svg"):
+                 "resume_sequence.svg", "hsdp_mesh.svg", "simulate_memory.png"):
         assert (ROOT / "docs" / "images" / name).stat().st_size > 0, name
 
 
