@@ -6,7 +6,7 @@ case is Llama-shaped (80 layers, hidden 8192, MLP 28672, 64 heads, 8 KV heads, v
 untied head), written as a config.json here: nothing is downloaded.
 
     python benchmarks/simulate_speed.py --plot simulate_speed.png
-    python benchmarks/simulate_speed.py --cases 8b:fsdp:64   # one case: SIZE:STRATEGY:GPUS
+    python benchmarks/simulate_speed.py --cases 8b:fsdp:64   # one case: SIZE:STRATEGY:GPUS[:recompute]
 """
 import argparse
 import json
@@ -27,7 +27,7 @@ LLAMA = {  # Llama-3-shaped configs: the sizes a reader rents GPUs for
 }
 COMMON = {"num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False, "max_position_embeddings": 8192,
           "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 0, "eos_token_id": 0}
-CASES = ["70b:fsdp:1024", "70b:hsdp:1024", "8b:fsdp:64", "8b:zero3:64"]
+CASES = ["70b:fsdp:1024", "70b:fsdp:1024:recompute", "70b:hsdp:1024", "8b:fsdp:64", "8b:zero3:64"]
 
 
 def write_config(folder: Path, size: str) -> Path:
@@ -38,9 +38,9 @@ def write_config(folder: Path, size: str) -> Path:
 
 
 def run_case(case: str, folder: Path, seq: int) -> dict:
-    size, strategy, gpus = case.split(":")
+    size, strategy, gpus, *recompute = case.split(":")
     command = [sys.executable, "-m", "common.simulate", "--model", str(write_config(folder, size)), "--gpus", gpus,
-               "--strategy", strategy, "--seq", str(seq), "--json"]
+               "--strategy", strategy, "--seq", str(seq), "--json", *(["--recompute"] if recompute else [])]
     began = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with ThreadPoolExecutor(2) as pipes:  # drain both pipes while os.wait4 reaps the child with its own usage
@@ -56,14 +56,15 @@ def run_case(case: str, folder: Path, seq: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", default=CASES, help=f"SIZE:STRATEGY:GPUS, SIZE one of {', '.join(LLAMA)}")
+    parser.add_argument("--cases", nargs="+", default=CASES,
+                        help=f"SIZE:STRATEGY:GPUS, SIZE one of {', '.join(LLAMA)}; :recompute after it checkpoints each block")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence, one sequence per rank (default: 2048)")
     parser.add_argument("--plot", help="also save a bar chart of the seconds per case to this PNG")
     args = parser.parse_args()
     for case in args.cases:
         parts = case.split(":")
-        if len(parts) != 3 or parts[0] not in LLAMA or not parts[2].isdigit():
-            parser.error(f"--cases {case}: write SIZE:STRATEGY:GPUS, e.g. 70b:fsdp:1024")
+        if len(parts) not in (3, 4) or parts[0] not in LLAMA or not parts[2].isdigit() or parts[3:] not in ([], ["recompute"]):
+            parser.error(f"--cases {case}: write SIZE:STRATEGY:GPUS or SIZE:STRATEGY:GPUS:recompute, e.g. 70b:fsdp:1024")
     with tempfile.TemporaryDirectory() as folder:
         rows = [run_case(case, Path(folder), args.seq) for case in args.cases]
     print(f"One simulated training step per case, {where_measured()}; GB = 10^9 bytes; per rank, as simulated")

@@ -63,7 +63,7 @@ def draw(recording: dict, path) -> None:
         top.plot(gpus, [r["planned"]["peak_bytes"] / GB for r in results], "--", color=color, alpha=0.6)
     top.set_xscale("log", base=2)
     top.set_xticks(gpus, [str(n) for n in gpus])
-    top.set_yscale("log")
+    top.set_ylim(bottom=0)
     top.set_xlabel("simulated ranks (GPUs)")
     top.set_ylabel("peak memory per rank, GB (10^9 bytes)")
     top.set_title("simulated (solid) and planned (dashed)", fontsize=9)
