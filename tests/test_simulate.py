@@ -6,6 +6,7 @@ state) and its collectives (kind, count, bytes) must be the same. Then the persi
 with common.plan at sizes no machine here has, and a planted error in the plan's formula must show.
 """
 import json
+import sys
 from dataclasses import asdict, replace
 
 import pytest
@@ -77,7 +78,7 @@ def test_the_plan_agrees_with_the_simulation_up_to_1024_ranks():
 def test_in_the_mixed_policy_the_plan_counts_fp32_state_and_bf16_gathers():
     """FSDP2's MixedPrecisionPolicy keeps fp32 shards (the plan's fp32 accounting, not the ZeRO paper's mixed)
     and gathers bf16 copies: half the bytes of an fp32 gather, the reduce-scatter still fp32."""
-    assert disagreements({"fsdp": (3, 1024), "zero3": (1024,), "hsdp": (64,)}, "mixed") == []
+    assert disagreements({"fsdp": ALL_SIZES, "zero3": (1024,), "hsdp": (64,)}, "mixed") == []
     fp32, mixed = (simulate(replace(SMALL, precision=precision)) for precision in ("fp32", "mixed"))
     for result in (fp32, mixed):  # the bytes; the counts differ where the root group holds nothing (the plan adds one)
         measured, planned = ({c["kind"]: c["bytes_per_rank"] for c in result[side]["collectives"]}
@@ -149,6 +150,34 @@ def test_bad_input_is_one_sentence(argv, says, capsys, tmp_path, monkeypatch):
         main(argv)
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_a_torch_without_the_fake_backend_is_one_sentence(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.testing._internal.distributed.fake_pg", None)  # import fails, as before 2.4
+    with pytest.raises(SystemExit) as stopped:
+        main(["--layers", "2", "--hidden", "64", "--gpus", "2"])
+    assert stopped.value.code == 2 and "has no fake process-group backend" in capsys.readouterr().err
+
+
+def test_a_model_that_cannot_be_built_on_fake_tensors_is_one_sentence(tmp_path, capsys, monkeypatch):
+    """A model whose constructor needs real data (here: one that reads a weight's values) is named, not a traceback."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class NeedsValues(LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            self.lm_head.weight.sum().item()  # a fake tensor has no value to give
+
+        @classmethod
+        def from_config(cls, config):  # as the Auto classes build one
+            return cls(config)
+
+    LlamaConfig(**TOY_LLAMA).save_pretrained(tmp_path)
+    monkeypatch.setattr(planner, "head_class", lambda config: NeedsValues)
+    with pytest.raises(SystemExit) as stopped:
+        main(["--model", str(tmp_path), "--gpus", "2", "--seq", "8"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "cannot be built without memory (on fake tensors)" in err and "Traceback" not in err, err
 
 
 def test_a_tied_model_is_refused_by_zero_and_by_the_split_wrap(tmp_path, capsys):
