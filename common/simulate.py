@@ -404,13 +404,14 @@ def main(argv=None) -> None:
           "measured (planned), MB = 10^6 bytes")
     keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "gathered_bytes", "peak_bytes")
     print("| strategy | params MB | grads MB | optimizer MB | activations MB | gathered + buffers MB | peak MB "
-          "| collectives per step |")
-    print("|---|" + "---:|" * len(keys) + "---|")
+          "| peak / planned | collectives per step |")
+    print("|---|" + "---:|" * (len(keys) + 1) + "---|")
     for result in results:
         measured, plan = ({**result[side], "gathered_bytes": gathered_and_buffers(result[side])} for side in ("measured", "planned"))
         cells = [megabytes(measured[key]) + ("" if plan[key] is None else f" ({megabytes(plan[key])})") for key in keys]
         calls = ", ".join(f"{c['count']} {c['kind'].replace('_', '-')}" for c in measured["collectives"])
-        print(f"| {planner.STRATEGIES[result['strategy']]} | " + " | ".join(cells) + f" | {calls} |")
+        ratio = f"{measured['peak_bytes'] / plan['peak_bytes']:.2f}"
+        print(f"| {planner.STRATEGIES[result['strategy']]} | " + " | ".join(cells) + f" | {ratio} | {calls} |")
 
 
 if __name__ == "__main__":

@@ -18,14 +18,27 @@ from common.distributed import exit_process, print0
 
 class StopSignal:
     def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
-        self.received = 0  # the signal this process got, 0 while none arrived
+        self._received = received = [0]  # the signal this process got, 0 while none arrived
         self.signum = 0  # the signal some rank got, once the ranks have agreed on it
         self.group = None  # the gloo group the flag travels on, made at the first check
-        for signum in signals:
-            signal.signal(signum, self._handle)
 
-    def _handle(self, signum, frame) -> None:
-        self.received = signum
+        def handle(signum, frame) -> None:
+            received[0] = signum
+
+        # A function, not a bound method: the signal module keeps its handler until the interpreter ends, and
+        # a handler that held this object would hold its process group too, past destroy_process_group().
+        # gloo's worker threads would then outlive the script and race the interpreter's teardown (the abort
+        # that common.distributed.exit_process describes, in about one exit in eight of the resume rung).
+        for signum in signals:
+            signal.signal(signum, handle)
+
+    @property
+    def received(self) -> int:
+        return self._received[0]
+
+    @received.setter
+    def received(self, signum: int) -> None:
+        self._received[0] = signum
 
     def agreed(self) -> bool:
         """True on every rank if any rank has received a signal. A collective: every rank calls it at each step."""

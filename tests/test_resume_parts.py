@@ -1,9 +1,11 @@
 """The parts of a resume that a killed run on the CPU cannot show: which signals stop a run, how the
 ranks agree when several of them get one (SLURM signals every task), and the loss scaler's state
 through a checkpoint (only fp16 has one, and fp16 does not run on the CPU: a CPU GradScaler does)."""
+import gc
 import importlib.util
 import os
 import signal
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +33,24 @@ def test_ranks_agree_on_the_signal_any_of_them_got():
     """Every rank stops at the same step with the signal's own number (its exit status is 128 + it), also
     when two ranks got SIGTERM: an all-reduce that summed the flags would say 30."""
     assert run_in_process_group(signals_agreed, 3, timeout=120) == [(True, signal.SIGUSR1), (True, signal.SIGTERM)]
+
+
+def test_the_signal_handler_does_not_keep_the_stop_signal_alive():
+    """The handler stays installed after the script's main() returns; were it a bound method, it would keep
+    the StopSignal and its process group alive past destroy_process_group(), and gloo's threads would race
+    the interpreter's teardown (an abort in about one exit in eight of the resume rung)."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        stop = StopSignal()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.received == signal.SIGUSR1  # the handler still reaches it
+        gone = weakref.ref(stop)
+        del stop
+        gc.collect()
+        assert gone() is None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def test_the_loss_scaler_goes_through_a_checkpoint(tmp_path):
