@@ -57,9 +57,10 @@ def parts(measured: dict) -> list[float]:
 
 def draw(recording: dict, path) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.2, 8.4), gridspec_kw={"height_ratios": [1.5, 1]})
-    for color, (strategy, results) in zip(COLORS, recording["curves"].items()):
+    for color, marker, (strategy, results) in zip(COLORS, "osD^vx", recording["curves"].items()):  # lines that coincide stay visible
         gpus = [result["gpus"] for result in results]
-        top.plot(gpus, [r["measured"]["peak_bytes"] / GB for r in results], "o-", color=color, label=NAMES[strategy])
+        top.plot(gpus, [r["measured"]["peak_bytes"] / GB for r in results], "-", marker=marker, markerfacecolor="none",
+                 color=color, label=NAMES[strategy])
         top.plot(gpus, [r["planned"]["peak_bytes"] / GB for r in results], "--", color=color, alpha=0.6)
     top.set_xscale("log", base=2)
     top.set_xticks(gpus, [str(n) for n in gpus])
