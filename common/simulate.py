@@ -304,8 +304,10 @@ def planned(case: Case, model: planner.Model) -> dict:
     shards = case.gpus_per_node if case.strategy == "hsdp" else case.gpus
     params, grads, optimizer = planner.memory_bytes(case.strategy, model.params, shards, "fp32")
     activations = planner.activation_bytes(model, case.batch, case.seq, case.precision, case.recompute)
-    gathered = 2 if case.precision == "mixed" and case.strategy in ("fsdp", "hsdp") else 4  # bytes per parameter
-    unsharded = planner.gathered_bytes(case.strategy, model, case.precision if gathered == 2 else "fp32", case.wrap)
+    bf16_gathers = case.precision == "mixed" and case.strategy in ("fsdp", "hsdp")  # FSDP2's policy; autocast keeps fp32
+    gathers = "mixed" if bf16_gathers else "fp32"  # the plan's name for 16-bit parameters, for those bytes alone
+    gathered = planner.BYTES_PER_PARAM[gathers][0]  # bytes per parameter
+    unsharded = planner.gathered_bytes(case.strategy, model, gathers, case.wrap)
     pieces = planner.collectives_per_step(case.strategy, model, 4 * model.params)
     full_params, full_grads = gathered * model.params, 4 * model.params
     if case.strategy == "ddp":

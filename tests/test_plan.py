@@ -83,7 +83,7 @@ def test_model_counted_on_the_meta_device(capsys, tiny_bert):
     assert {"param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"} <= set(out["plans"][0])
 
 
-def test_a_language_models_untied_head_is_counted(tmp_path):
+def test_a_language_models_untied_head_is_counted():
     """A causal LM's config is counted with its head: an untied head is another vocabulary × width, which
     the base model (AutoModel) leaves out, and its logits join the activations."""
     from transformers import LlamaConfig
