@@ -1,0 +1,129 @@
+"""What the fault-tolerant rungs share (src/ch4/fault_tolerant/): torchft, or one sentence where it is missing; the
+replica group's flags; the batch of a step; and the per-step log and the summary that the tests and the figure read."""
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from common.cli import positive_float, positive_int
+
+INSTALL = ("pip install torchft==0.2.0 (Linux, Python 3.10 to 3.12, torch 2.7 or newer), or pip install -e '.[ft]' "
+           "in this repository")
+
+
+def require_torchft():
+    """torchft, or an exit with what to install: it is an extra (pyproject's [ft]), not a core dependency."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's manager logs every quorum and commit at INFO
+    try:
+        import torchft
+    except ImportError as error:
+        sys.exit(f"error: the fault-tolerant rungs need torchft, which this Python cannot import ({error}): {INSTALL}.")
+    return torchft
+
+
+def add_fault_tolerance_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Which replica group this is, where the lighthouse is, how long to wait for it, and what to write."""
+    environ = os.environ
+    parser.add_argument("--max-steps", type=positive_int,
+                        help="optimizer steps the job takes, counted by the quorum (default: --epochs epochs)")
+    parser.add_argument("--group", type=int, default=int(environ.get("REPLICA_GROUP_ID", 0)),
+                        help="this replica group's number, 0 .. --groups - 1 (default: $REPLICA_GROUP_ID, else 0)")
+    parser.add_argument("--groups", type=positive_int, default=int(environ.get("NUM_REPLICA_GROUPS", 1)),
+                        help="replica groups the training set is split over (default: $NUM_REPLICA_GROUPS, else 1)")
+    parser.add_argument("--lighthouse", default=environ.get("TORCHFT_LIGHTHOUSE"),
+                        help="the lighthouse's address, http://HOST:PORT (default: $TORCHFT_LIGHTHOUSE)")
+    parser.add_argument("--quorum-timeout", type=positive_float, default=60,
+                        help="seconds to reach the lighthouse, and to wait for a quorum of its --min_replicas groups "
+                             "(default: 60)")
+    parser.add_argument("--save", type=Path, help="write the trained weights (a state dict) to this file")
+    parser.add_argument("--summary", type=Path, help="write the run's summary (JSON) to this file")
+    parser.add_argument("--step-log", type=Path,
+                        help="append one JSON line per step: time, step, participants, healed (not --log: torchrun takes that)")
+    return parser
+
+
+def check_group(args, launch, script: str) -> None:
+    """One sentence for a group number out of range, a group of several processes, or no lighthouse."""
+    if not 0 <= args.group < args.groups:
+        sys.exit(f"error: --group {args.group} is not one of the {args.groups} groups 0 .. {args.groups - 1}.")
+    if launch.world_size != 1:
+        sys.exit(f"error: each replica group of {script} is one process (torchrun --nproc_per_node=1), not "
+                 f"{launch.world_size}: start one torchrun per group.")
+    if not args.lighthouse:
+        sys.exit("error: no lighthouse: start one (torchft_lighthouse --min_replicas 1 --bind [::]:29510) and pass "
+                 "--lighthouse http://HOST:29510, or set TORCHFT_LIGHTHOUSE.")
+
+
+@contextlib.contextmanager
+def quorum_errors():
+    """A lighthouse that does not answer, or a quorum that does not form in time, as one sentence each: torchft
+    raises them from the Manager's constructor and from the first step that waits for its quorum."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "failed to connect" not in str(error):
+            raise
+        sys.exit(f"error: no lighthouse answered: {str(error).split(';')[0]}. Start it first (torchft_lighthouse "
+                 "--min_replicas 1 --bind [::]:29510), or pass its address with --lighthouse.")
+    except TimeoutError:
+        sys.exit("error: no quorum formed within --quorum-timeout: fewer groups reached the lighthouse than its "
+                 "--min_replicas. Start the other groups, or the lighthouse with a smaller --min_replicas.")
+
+
+def timeouts(args) -> dict:
+    """The Manager's: the quorum and the lighthouse's connection get --quorum-timeout, a collective --dist-timeout."""
+    quorum = timedelta(seconds=args.quorum_timeout)
+    return {"timeout": timedelta(seconds=args.dist_timeout), "quorum_timeout": quorum, "connect_timeout": quorum}
+
+
+class StepBatches:
+    """The batch of a step: the data position is the quorum's step, so a group whose step jumps to its peers'
+    (a heal) or stays (a step that did not commit) takes the right batch with no loader state to copy. Step k
+    is global batch k % E of epoch k // E (E global batches an epoch), cut from a ResumableDistributedSampler."""
+
+    def __init__(self, loader):
+        self.loader, self.sampler = loader, loader.sampler
+        self.sampler.set_epoch(0)
+        self.per_epoch = len(loader)
+        self.next_step, self.batches = None, None
+
+    def __call__(self, step: int):
+        epoch, batch = divmod(step, self.per_epoch)
+        if step != self.next_step or batch == 0:
+            self.sampler.set_epoch(epoch, batch * self.sampler.global_batch)
+            self.batches = iter(self.loader)
+        self.next_step = step + 1
+        return next(self.batches)
+
+
+class StepLog:
+    """--step-log's JSON lines and --summary's counts: what the tests check and the figure draws."""
+
+    def __init__(self, path: Path | None, group: int):
+        self.path, self.group, self.start = path, group, time.time()
+        self.steps_run = self.heals = 0
+        self.participants = []
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def step(self, step: int, participants: int, committed: bool, healed: bool) -> None:
+        self.steps_run += committed
+        self.heals += healed
+        self.participants.append(participants)
+        if self.path:
+            with self.path.open("a") as file:
+                file.write(json.dumps({"time": time.time(), "group": self.group, "step": step,
+                                       "participants": participants, "committed": committed, "healed": healed}) + "\n")
+
+    def summary(self, path: Path | None, final_step: int, accuracy: float) -> None:
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({
+                "group": self.group, "final_step": final_step, "steps_run": self.steps_run, "heals": self.heals,
+                "min_participants": min(self.participants, default=0),
+                "max_participants": max(self.participants, default=0), "accuracy": accuracy,
+                "seconds": time.time() - self.start}, indent=1) + "\n")

@@ -1,0 +1,145 @@
+"""MNIST, step 3 without restarts: replica groups that lose a member, keep training, and heal it from a live peer.
+
+mnist_3_ddp.py stops when one process dies; the resume chapter starts every process again from the last
+checkpoint. Here (torchft) the job is split into replica groups, and a lighthouse forms a quorum of the live
+groups before every step. What changes:
+  - each replica group is its own torchrun (here one process each) with its own number, --group, and a
+    Manager that asks the lighthouse which groups take the next step;
+  - torchft's DistributedDataParallel averages the gradients over the groups in that step's quorum, and
+    torchft's Optimizer steps only if every one of them finished its backward (should_commit);
+  - a group that dies drops out of the next quorum and the others go on, with fewer samples per step;
+  - a group that starts late, or again, is behind: the quorum tells it to heal, and it loads the weights,
+    the optimizer's moments and the step from a live peer (the state functions below), not from a file;
+  - the loop counts the quorum's steps (--max-steps), and the data position is that step: step k trains
+    on batch k of this group's shard of the shuffle, so a group that healed goes on at its peers' batch;
+  - every group starts from the same weights (one seed), and evaluates the whole test set itself.
+--compile is not here: torchft's DDP is a patched DDP whose gradient hook waits on each bucket's all-reduce.
+
+Run from the repository root, on one machine: a lighthouse, then one torchrun per group (here 3):
+    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --quorum_tick_ms 100 --bind [::]:29510 &
+    export TORCHFT_LIGHTHOUSE=http://localhost:29510 NUM_REPLICA_GROUPS=3
+    for g in 0 1 2; do REPLICA_GROUP_ID=$g torchrun --standalone --nproc_per_node=1 \\
+        src/ch4/fault_tolerant/mnist_3_ddp_ft.py --batch-size 96 --max-steps 1000 & done; wait
+Kill one group's torchrun and its worker; start that group's command again: it rejoins and heals. On several
+machines: the lighthouse on one, TORCHFT_LIGHTHOUSE=http://THAT_HOST:29510 everywhere, any groups on each.
+Under SLURM: sbatch slurm/fault_tolerant.sbatch (a lighthouse step and one step per group).
+
+Lines marked `# STEP` are what this step changes in mnist_3_ddp.py.
+"""
+import time
+
+import torch
+import torch.nn.functional as F
+
+from common.cli import mnist_parser
+from common.cli import per_process_batch
+from common.distributed import device_for, require_launcher
+from common.fault_tolerance import StepBatches, StepLog, add_fault_tolerance_flags, check_group, quorum_errors, timeouts  # STEP
+from common.fault_tolerance import require_torchft  # STEP
+from common.mnist import BasicNet, load_mnist, make_loader
+from common.precision import autocast, grad_scaler, resolve_precision
+from common.samplers import ResumableDistributedSampler  # STEP
+
+torchft = require_torchft()  # STEP: one sentence saying what to install, where it is missing
+
+
+def train_steps(model, batches, optimizer, scaler, manager, device, precision, max_steps, log, healed):  # STEP
+    """Steps until the quorum's step reaches max_steps; returns the mean training loss of the steps taken."""  # STEP
+    model.train()
+    loss_sum = torch.zeros((), device=device)
+    while manager.current_step() < max_steps:  # STEP: the quorum's step: a heal moves it forward
+        step = manager.current_step()  # STEP
+        images, labels = batches(step)  # STEP: batch `step` of this group's shard
+        images = images.to(device, memory_format=torch.channels_last, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        with autocast(device, precision):
+            loss = F.nll_loss(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)  # STEP: also asks the lighthouse for this step's quorum
+        scaler.scale(loss).backward()  # STEP: averaged over the groups in the quorum (a healing group adds zeros)
+        scaler.step(optimizer)  # STEP: only where every group of the quorum committed
+        scaler.update()
+        loss_sum += loss.detach()
+        participants, heal = manager.num_participants(), bool(healed)  # STEP
+        log.step(manager.current_step(), participants, manager.current_step() != step, heal)  # STEP
+        if heal or participants != max(log.participants[-2:-1], default=0):  # STEP: say when the quorum changes
+            print(f"group {log.group}: step {manager.current_step()}, {participants} groups in the quorum"  # STEP
+                  + (", healed from a live peer" if heal else ""), flush=True)  # STEP
+        healed.clear()  # STEP
+    return loss_sum.item() / max(log.steps_run, 1)  # STEP
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, precision):
+    """Count correct predictions and images seen, so that the caller knows what the accuracy is over."""
+    model.eval()
+    correct = seen = 0
+    for images, labels in loader:
+        images = images.to(device, memory_format=torch.channels_last, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        with autocast(device, precision):
+            predictions = model(images).argmax(dim=1)
+        correct += (predictions == labels).sum().item()
+        seen += labels.numel()
+    return correct, seen
+
+
+def main():
+    args = add_fault_tolerance_flags(mnist_parser(__doc__)).parse_args()  # STEP
+
+    launch = require_launcher("src/ch4/fault_tolerant/mnist_3_ddp_ft.py")  # STEP
+    check_group(args, launch, "src/ch4/fault_tolerant/mnist_3_ddp_ft.py")  # STEP: one process a group, a lighthouse
+    device = device_for(launch)
+    precision = resolve_precision(args.precision, device)
+    torch.manual_seed(args.seed)  # STEP: the same initial weights in every group: nothing to copy at step 0
+
+    train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
+    batch_size = per_process_batch(args.batch_size, args.groups)  # STEP: each group loads 1/G of the global batch
+    train_sampler = ResumableDistributedSampler(train_set, batch_size, num_replicas=args.groups, rank=args.group,  # STEP
+                                                seed=args.seed)  # STEP: this group's 1/G of the shuffle, from any batch on
+    train_loader = make_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP
+    test_loader = make_loader(test_set, args.eval_batch_size, None, args.num_workers)  # STEP: each group scores all
+
+    model = BasicNet().to(device, memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # STEP
+    scaler = grad_scaler(device, precision)  # STEP
+    healed = []  # STEP
+
+    def load_state(state):  # STEP: torchft calls it on a group that heals, with a live peer's state
+        model.load_state_dict(state["model"])  # STEP
+        optimizer.load_state_dict(state["optimizer"])  # STEP
+        scaler.load_state_dict(state["scaler"])  # STEP
+        healed.append(True)  # STEP
+
+    manager = torchft.Manager(  # STEP: this group's seat in the quorum
+        pg=torchft.ProcessGroupGloo() if device.type == "cpu" else torchft.ProcessGroupNCCL(),  # STEP: across groups
+        load_state_dict=load_state,  # STEP
+        state_dict=lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict(),  # STEP: what a peer sends
+                            "scaler": scaler.state_dict()},  # STEP
+        min_replica_size=1, replica_id=f"mnist_ft_{args.group}", lighthouse_addr=args.lighthouse,  # STEP: the lighthouse sets the minimum
+        init_sync=False, **timeouts(args))  # STEP: init_sync=False: the seed made the weights equal
+    torch.manual_seed(args.seed + 1 + args.group)  # STEP: own dropout masks per group
+    model = torchft.DistributedDataParallel(manager, model)  # STEP: all-reduce over the quorum, not a fixed group
+    optimizer = torchft.Optimizer(manager, optimizer)  # STEP: zero_grad starts the quorum, step commits or skips
+    max_steps = args.max_steps or args.epochs * len(train_loader)  # STEP
+    log = StepLog(args.step_log, args.group)  # STEP
+
+    print(f"group {args.group} of {args.groups} on {device.type}, {precision}, global batch {args.batch_size} = "  # STEP
+          f"{args.groups} x {batch_size}, {max_steps} steps", flush=True)  # STEP
+    start = time.perf_counter()  # STEP
+    loss = train_steps(model, StepBatches(train_loader), optimizer, scaler, manager, device, precision, max_steps, log,  # STEP
+                       healed)  # STEP
+    train_seconds = time.perf_counter() - start  # STEP
+    print(f"group {args.group}: mean training loss {loss:.4f} over the {log.steps_run} steps it took, "  # STEP
+          f"{log.heals} heal(s)", flush=True)  # STEP
+
+    correct, seen = evaluate(model.module, test_loader, device, precision)
+    print(f"group {args.group}: train time {train_seconds:.1f} s, test accuracy {correct / seen:.2%} over {seen} images")  # STEP
+    if args.save:  # STEP
+        torch.save(model.module.state_dict(), args.save)  # STEP
+    log.summary(args.summary, manager.current_step(), correct / seen)  # STEP
+    manager.shutdown()  # STEP
+
+
+if __name__ == "__main__":
+    with quorum_errors():  # STEP: no lighthouse, or no quorum in time: one sentence
+        main()
