@@ -9,6 +9,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
 from common.cli import positive_float, positive_int
 
 INSTALL = ("pip install torchft==0.2.0 (Linux, Python 3.10 to 3.12, torch 2.7 or newer), or pip install -e '.[ft]' "
@@ -72,6 +74,19 @@ def quorum_errors():
     except TimeoutError:
         sys.exit("error: no quorum formed within --quorum-timeout: fewer groups reached the lighthouse than its "
                  "--min_replicas. Start the other groups, or the lighthouse with a smaller --min_replicas.")
+
+
+def average_gradients(model, manager) -> None:
+    """The gradients averaged over the groups in this step's quorum: one all-reduce of one flat buffer, after backward.
+
+    Not torchft's DistributedDataParallel: at torchft 0.2.0 its gradient hook asserts that every all-reduce returned
+    a live future, and one that failed (a peer died during the step) returns none, so the assertion ends the survivor
+    too. manager.allreduce records the error instead, and should_commit then says no: the step is taken again."""
+    grads = [parameter.grad for parameter in model.parameters()]
+    flat = _flatten_dense_tensors(grads)
+    manager.allreduce(flat).wait()  # divided by the number of participants; zeros from a group that heals
+    for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        grad.copy_(averaged)
 
 
 def timeouts(args) -> dict:

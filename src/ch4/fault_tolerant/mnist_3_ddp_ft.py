@@ -5,15 +5,16 @@ checkpoint. Here (torchft) the job is split into replica groups, and a lighthous
 groups before every step. What changes:
   - each replica group is its own torchrun (here one process each) with its own number, --group, and a
     Manager that asks the lighthouse which groups take the next step;
-  - torchft's DistributedDataParallel averages the gradients over the groups in that step's quorum, and
-    torchft's Optimizer steps only if every one of them finished its backward (should_commit);
+  - after backward, the gradients are averaged over the groups in that step's quorum (manager.allreduce),
+    and torchft's Optimizer steps only if every one of them got through the step (should_commit);
   - a group that dies drops out of the next quorum and the others go on, with fewer samples per step;
   - a group that starts late, or again, is behind: the quorum tells it to heal, and it loads the weights,
     the optimizer's moments and the step from a live peer (the state functions below), not from a file;
   - the loop counts the quorum's steps (--max-steps), and the data position is that step: step k trains
     on batch k of this group's shard of the shuffle, so a group that healed goes on at its peers' batch;
   - every group starts from the same weights (one seed), and evaluates the whole test set itself.
---compile is not here: torchft's DDP is a patched DDP whose gradient hook waits on each bucket's all-reduce.
+Not torchft's DistributedDataParallel: at torchft 0.2.0 its gradient hook fails an assertion when a peer dies
+during the all-reduce, which ends the survivor too (common/fault_tolerance.py says more).
 
 Run from the repository root, on one machine: a lighthouse, then one torchrun per group (here 3):
     torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --quorum_tick_ms 100 --bind [::]:29510 &
@@ -32,9 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from common.cli import mnist_parser
+from common.compile import add_compile_flag, compile_in_place  # STEP
 from common.cli import per_process_batch
 from common.distributed import device_for, require_launcher
-from common.fault_tolerance import StepBatches, StepLog, add_fault_tolerance_flags, check_group, quorum_errors, timeouts  # STEP
+from common.fault_tolerance import StepBatches, StepLog, add_fault_tolerance_flags, average_gradients, check_group  # STEP
+from common.fault_tolerance import quorum_errors, timeouts  # STEP
 from common.fault_tolerance import require_torchft  # STEP
 from common.mnist import BasicNet, load_mnist, make_loader
 from common.precision import autocast, grad_scaler, resolve_precision
@@ -55,7 +58,8 @@ def train_steps(model, batches, optimizer, scaler, manager, device, precision, m
         with autocast(device, precision):
             loss = F.nll_loss(model(images), labels)
         optimizer.zero_grad(set_to_none=True)  # STEP: also asks the lighthouse for this step's quorum
-        scaler.scale(loss).backward()  # STEP: averaged over the groups in the quorum (a healing group adds zeros)
+        scaler.scale(loss).backward()
+        average_gradients(model, manager)  # STEP: over the quorum's groups (a healing group adds zeros)
         scaler.step(optimizer)  # STEP: only where every group of the quorum committed
         scaler.update()
         loss_sum += loss.detach()
@@ -84,7 +88,7 @@ def evaluate(model, loader, device, precision):
 
 
 def main():
-    args = add_fault_tolerance_flags(mnist_parser(__doc__)).parse_args()  # STEP
+    args = add_fault_tolerance_flags(add_compile_flag(mnist_parser(__doc__))).parse_args()  # STEP
 
     launch = require_launcher("src/ch4/fault_tolerant/mnist_3_ddp_ft.py")  # STEP
     check_group(args, launch, "src/ch4/fault_tolerant/mnist_3_ddp_ft.py")  # STEP: one process a group, a lighthouse
@@ -100,8 +104,15 @@ def main():
     test_loader = make_loader(test_set, args.eval_batch_size, None, args.num_workers)  # STEP: each group scores all
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # STEP
-    scaler = grad_scaler(device, precision)  # STEP
+    torch.manual_seed(args.seed + 1 + args.group)  # STEP: own dropout masks per group
+    manager = torchft.Manager(  # STEP: this group's seat in the quorum
+        pg=torchft.ProcessGroupGloo() if device.type == "cpu" else torchft.ProcessGroupNCCL(),  # STEP: across groups
+        load_state_dict=None, state_dict=None,  # STEP: registered below, once the model and optimizer are wrapped
+        min_replica_size=1, replica_id=f"mnist_ft_{args.group}", lighthouse_addr=args.lighthouse,  # STEP: the lighthouse sets the minimum
+        init_sync=False, **timeouts(args))  # STEP: init_sync=False: the seed made the weights equal
+    compile_in_place(model, args.compile)  # STEP: in place: the state a peer sends keeps the model's own keys
+    optimizer = torchft.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))  # STEP: steps if committed
+    scaler = grad_scaler(device, precision)
     healed = []  # STEP
 
     def load_state(state):  # STEP: torchft calls it on a group that heals, with a live peer's state
@@ -110,16 +121,8 @@ def main():
         scaler.load_state_dict(state["scaler"])  # STEP
         healed.append(True)  # STEP
 
-    manager = torchft.Manager(  # STEP: this group's seat in the quorum
-        pg=torchft.ProcessGroupGloo() if device.type == "cpu" else torchft.ProcessGroupNCCL(),  # STEP: across groups
-        load_state_dict=load_state,  # STEP
-        state_dict=lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict(),  # STEP: what a peer sends
-                            "scaler": scaler.state_dict()},  # STEP
-        min_replica_size=1, replica_id=f"mnist_ft_{args.group}", lighthouse_addr=args.lighthouse,  # STEP: the lighthouse sets the minimum
-        init_sync=False, **timeouts(args))  # STEP: init_sync=False: the seed made the weights equal
-    torch.manual_seed(args.seed + 1 + args.group)  # STEP: own dropout masks per group
-    model = torchft.DistributedDataParallel(manager, model)  # STEP: all-reduce over the quorum, not a fixed group
-    optimizer = torchft.Optimizer(manager, optimizer)  # STEP: zero_grad starts the quorum, step commits or skips
+    manager.register_state_dict_fn("training", load_state, lambda: {  # STEP: what a live peer sends
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()})  # STEP
     max_steps = args.max_steps or args.epochs * len(train_loader)  # STEP
     log = StepLog(args.step_log, args.group)  # STEP
 
@@ -132,10 +135,10 @@ def main():
     print(f"group {args.group}: mean training loss {loss:.4f} over the {log.steps_run} steps it took, "  # STEP
           f"{log.heals} heal(s)", flush=True)  # STEP
 
-    correct, seen = evaluate(model.module, test_loader, device, precision)
+    correct, seen = evaluate(model, test_loader, device, precision)
     print(f"group {args.group}: train time {train_seconds:.1f} s, test accuracy {correct / seen:.2%} over {seen} images")  # STEP
     if args.save:  # STEP
-        torch.save(model.module.state_dict(), args.save)  # STEP
+        torch.save(model.state_dict(), args.save)  # STEP
     log.summary(args.summary, manager.current_step(), correct / seen)  # STEP
     manager.shutdown()  # STEP
 

@@ -1,0 +1,256 @@
+"""The fault-tolerant rung (src/ch4/fault_tolerant/) with real processes: a lighthouse on a free port, one torchrun per
+replica group, groups killed from outside (SIGKILL of the worker and of its torchrun agent, by PID) and started again.
+
+What the lesson claims, each checked from the groups' --step-log and --save: the survivors never stop (their steps
+go on, one after another, with fewer groups in the quorum); a group started again heals from a live peer (its first
+step is its peers' step, not 0, and there is no checkpoint to read); every group ends with the same weights, bit for
+bit, also after two kills one after the other and after a kill in the middle of a heal; a heal that copies nothing,
+or only the weights, is caught (the negative controls). tests/ft_hooks.py slows the survivors while a group starts
+again, and widens the heal, so that a kill lands where the test means it to.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PYTHON, ROOT, TORCHRUN, offline_env, run_as_user
+
+os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse logs every quorum at INFO
+torchft = pytest.importorskip("torchft", reason="torchft is not installed: pip install -e '.[ft]'")
+from torchft.coordination import LighthouseServer  # noqa: E402
+
+RUNG = "src/ch4/fault_tolerant/mnist_3_ddp_ft.py"
+HOOKS = ROOT / "tests" / "ft_hooks.py"
+# The heal fetches a peer's state over HTTP from the peer's host name: past offline_env's dead proxy.
+LOCAL = {"no_proxy": f"localhost,127.0.0.1,::1,{socket.gethostname()}"}
+WAIT = 90  # seconds any one wait below may take before the test fails with what it waited for
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def lighthouse():
+    """A lighthouse on a free port: test files run in parallel, each with its own."""
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50,
+                              heartbeat_timeout_ms=3000)
+    yield server.address()
+    server.shutdown()
+
+
+class Groups:
+    """Replica groups of one process each, started as a user starts them (torchrun), in a session of their own."""
+
+    def __init__(self, folder: Path, lighthouse: str, data: Path, groups: int, steps: int, batch: int):
+        self.folder, self.lighthouse, self.data = folder, lighthouse, data
+        self.groups, self.steps, self.batch = groups, steps, batch
+        self.running, self.starts = {}, {}
+
+    def start(self, group: int, hooks: str = "none") -> None:
+        run = self.starts[group] = self.starts.get(group, 0) + 1
+        command = [*TORCHRUN, "--nproc_per_node=1", HOOKS, hooks, RUNG, "--data-dir", self.data, "--group", group,
+                   "--groups", self.groups, "--batch-size", self.batch, "--max-steps", self.steps,
+                   "--lighthouse", self.lighthouse, "--quorum-timeout", 30, "--dist-timeout", 30,
+                   "--step-log", self.log_path(group, run), "--summary", self.folder / f"summary{group}.json",
+                   "--save", self.folder / f"weights{group}.pt"]
+        out = (self.folder / f"out{group}-{run}.txt").open("w")
+        self.running[group] = subprocess.Popen([str(part) for part in command], cwd=ROOT, env=offline_env(LOCAL),
+                                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log_path(self, group: int, run: int) -> Path:
+        return self.folder / f"log{group}-{run}.jsonl"
+
+    def log(self, group: int, run: int | None = None) -> list[dict]:
+        path = self.log_path(group, run or self.starts[group])
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def step(self, group: int) -> int:
+        return max((line["step"] for line in self.log(group)), default=-1)
+
+    def kill(self, group: int) -> None:
+        """SIGKILL the agent and its worker: torchrun starts the worker in a session of its own, so killing the
+        agent alone would leave the worker training."""
+        agent = self.running.pop(group)
+        for pid in [*children(agent.pid), agent.pid]:
+            os.kill(pid, signal.SIGKILL)
+        agent.wait(timeout=10)
+
+    def wait_for(self, what: str, condition) -> None:
+        deadline = time.monotonic() + WAIT
+        while not condition():
+            for group, process in self.running.items():
+                assert process.poll() is None, f"group {group} ended (exit {process.returncode}) while the test " \
+                                               f"waited for {what}:\n{self.output(group)}"
+            assert time.monotonic() < deadline, f"no {what} within {WAIT} s:\n" + "\n".join(
+                self.output(group) for group in self.running)
+            time.sleep(0.05)
+
+    def finish(self) -> None:
+        for group, process in self.running.items():
+            try:
+                assert process.wait(timeout=WAIT) == 0, f"group {group} exited {process.returncode}:\n{self.output(group)}"
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"group {group} did not finish within {WAIT} s:\n{self.output(group)}")
+
+    def output(self, group: int) -> str:
+        return (self.folder / f"out{group}-{self.starts[group]}.txt").read_text()[-3000:]
+
+    def weights(self, group: int) -> dict:
+        return torch.load(self.folder / f"weights{group}.pt")
+
+    def summary(self, group: int) -> dict:
+        return json.loads((self.folder / f"summary{group}.json").read_text())
+
+    def stop_all(self) -> None:
+        for group in list(self.running):
+            if self.running[group].poll() is None:
+                self.kill(group)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is pid, from /proc (torchrun's worker, here)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.fixture
+def make_groups(tmp_path, lighthouse, tiny_mnist):
+    made = []
+
+    def make(groups: int, steps: int, batch: int) -> Groups:
+        made.append(Groups(tmp_path, lighthouse, tiny_mnist, groups, steps, batch))
+        return made[-1]
+    yield make
+    for groups in made:
+        groups.stop_all()
+
+
+def equal_weights(groups: Groups, count: int) -> bool:
+    weights = [groups.weights(group) for group in range(count)]
+    return all(torch.equal(weights[0][name], other[name]) for other in weights[1:] for name in weights[0])
+
+
+def kill_and_heal(groups: Groups, group: int, slow: Path) -> dict:
+    """Kill a group, start it again while the others train slowly, and return its first step after the heal."""
+    slow.touch()
+    groups.kill(group)
+    groups.start(group, f"slow-while={slow}")
+    groups.wait_for(f"a heal of group {group}", lambda: any(line["healed"] for line in groups.log(group)))
+    slow.unlink()
+    return groups.log(group)[0]
+
+
+def test_killed_groups_heal_from_a_live_peer_while_the_others_go_on(make_groups, tmp_path):
+    """3 groups; group 1 is killed and started again, then group 2: the survivors' steps never stop, each restarted
+    group takes its peers' step from a peer's state (no checkpoint exists), and all three end bit for bit equal."""
+    slow = tmp_path / "slow"
+    groups = make_groups(groups=3, steps=50, batch=12)
+    for group in range(3):
+        groups.start(group, f"slow-while={slow}")
+    groups.wait_for("step 5 in every group", lambda: min(groups.step(group) for group in range(3)) >= 5)
+    first = kill_and_heal(groups, 1, slow)
+    groups.wait_for("5 steps with group 1 back", lambda: groups.step(0) >= first["step"] + 5)
+    second = kill_and_heal(groups, 2, slow)
+    groups.finish()
+
+    assert first["healed"] and first["step"] > 5 and second["healed"] and second["step"] > first["step"]
+    survivor = groups.log(0)
+    steps = [line["step"] for line in survivor if line["committed"]]
+    # A step that failed under a kill may commit in one group and not in another (should_commit is per group):
+    # the group left behind heals from a peer at the next quorum, so a survivor's steps rise, with a jump at most.
+    assert all(later > earlier for earlier, later in zip(steps, steps[1:])) and steps[-1] == 50
+    assert sum(line["committed"] and line["participants"] == 2 for line in survivor) >= 4, "no steps during the outages"
+    participants = [line["participants"] for line in survivor]
+    changes = [count for i, count in enumerate(participants) if i == 0 or count != participants[i - 1]]
+    assert changes[-4:] == [2, 3, 2, 3], f"the quorum should shrink and grow twice: {changes}"
+    assert sorted(path.name for path in tmp_path.glob("*.pt")) == [f"weights{group}.pt" for group in range(3)]
+    for group in range(3):
+        summary = groups.summary(group)
+        assert summary["final_step"] == 50 and summary["max_participants"] == 3
+    assert groups.summary(1)["heals"] >= 1 and groups.summary(2)["heals"] >= 1
+    assert equal_weights(groups, 3)
+
+
+def test_a_group_killed_in_the_middle_of_its_heal_leaves_its_peer_training(make_groups, tmp_path):
+    """Group 1 joins late, and is killed while it fetches group 0's state: group 0 goes on alone; group 1 started
+    again heals, and both end equal."""
+    slow, healing = tmp_path / "slow", tmp_path / "healing"
+    groups = make_groups(groups=2, steps=40, batch=12)
+    slow.touch()
+    groups.start(0, f"slow-while={slow}")
+    groups.wait_for("step 3 in group 0", lambda: groups.step(0) >= 3)
+    groups.start(1, f"slow-heal={healing}")
+    groups.wait_for("group 1's heal to start", healing.exists)
+    groups.kill(1)
+    before = groups.step(0)
+    groups.wait_for("3 more steps of group 0 alone", lambda: groups.step(0) >= before + 3)
+    assert groups.log(0)[-1]["participants"] == 1
+    groups.start(1)
+    groups.wait_for("a heal of group 1", lambda: any(line["healed"] for line in groups.log(1)))
+    slow.unlink()
+    groups.finish()
+    assert groups.log(1)[0]["step"] > before and groups.summary(1)["heals"] >= 1
+    assert equal_weights(groups, 2)
+
+
+@pytest.mark.parametrize("bug", ["skip-heal-copy", "heal-weights-only"])
+def test_a_heal_that_does_not_copy_the_whole_state_is_caught(make_groups, tmp_path, bug):
+    """Negative controls: the same late join, with a heal that copies nothing, or the weights without the optimizer's
+    moments. The step still jumps to the peers', and the weights end apart: the equality above can fail."""
+    slow = tmp_path / "slow"
+    groups = make_groups(groups=2, steps=30, batch=12)
+    slow.touch()
+    groups.start(0, f"slow-while={slow}")
+    groups.wait_for("step 3 in group 0", lambda: groups.step(0) >= 3)
+    groups.start(1, bug)
+    groups.wait_for("a heal of group 1", lambda: any(line["healed"] for line in groups.log(1)))
+    slow.unlink()
+    groups.finish()
+    assert groups.log(1)[0]["step"] > 3
+    assert not equal_weights(groups, 2)
+
+
+def test_no_lighthouse_no_quorum_no_torchft_each_one_sentence(lighthouse, tiny_mnist, tmp_path):
+    """A lighthouse that does not answer, a quorum that cannot form (the lighthouse wants 2 groups, 1 came), torchft
+    missing, a group number out of range: each ends the run with one sentence, within its timeout."""
+    common = [*TORCHRUN, "--nproc_per_node=1", RUNG, "--data-dir", tiny_mnist, "--max-steps", 3, "--quorum-timeout", 2]
+    strict = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100, quorum_tick_ms=50)
+    fake = tmp_path / "no_torchft" / "torchft"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError(\"No module named 'torchft'\")\n")
+    runs = {"closed": ([*common, "--lighthouse", "http://localhost:9"], None),
+            "alone": ([*common, "--lighthouse", strict.address()], None),
+            "out of range": ([*common, "--lighthouse", lighthouse, "--group", 3, "--groups", 3], None),
+            "missing": ([PYTHON, RUNG], {"PYTHONPATH": str(fake.parent)})}
+    try:
+        with ThreadPoolExecutor(len(runs)) as pool:  # side by side: each waits on a timeout, not on the CPU
+            results = dict(zip(runs, pool.map(lambda run: run_as_user(*run[0], env_extra=run[1], timeout=60),
+                                              runs.values())))
+    finally:
+        strict.shutdown()
+    assert_one_sentence(results["closed"], "error: no lighthouse answered: failed to connect to http://localhost:9 within")
+    assert_one_sentence(results["alone"], "error: no quorum formed within --quorum-timeout")
+    assert_one_sentence(results["out of range"], "error: --group 3 is not one of the 3 groups 0 .. 2.")
+    assert_one_sentence(results["missing"], "error: the fault-tolerant rungs need torchft", "pip install torchft==0.2.0")
+
+
+def assert_one_sentence(result, *phrases):
+    """A non-zero exit whose worker printed the sentence and no traceback (torchrun's agent adds its own report of
+    the failed worker, which is not the script's)."""
+    assert result.returncode != 0, result.stdout
+    for phrase in phrases:
+        assert phrase in result.stderr, result.stderr[-3000:]
+    worker = result.stderr.split("failed (exitcode:")[0]
+    assert "Traceback" not in worker, result.stderr[-3000:]
