@@ -39,6 +39,9 @@ JOBS = {
                                     "slurm/srun_tasks.sbatch", "src/ch4/mnist_5_lightning.py", "2 processes"),
     "lightning, 1 node x 2 tasks": ("sbatch", ["-N1", "--ntasks-per-node=2", "--cpus-per-task=1"],
                                     "slurm/srun_tasks.sbatch", "src/ch4/mnist_5_lightning.py", "2 processes"),
+    "torchft, 2 replica groups on 2 nodes": ("sbatch", ["-N2", "--ntasks-per-node=1", "--cpus-per-task=2"],
+                                             "slurm/fault_tolerant.sbatch", "src/ch4/fault_tolerant/mnist_3_ddp_ft.py",
+                                             "group 1 of 2"),
     "salloc, 2 nodes x 1 process": ("salloc", ["-N2", "--ntasks-per-node=1", "--cpus-per-task=2"],
                                     "slurm/torchrun.sbatch", "src/ch4/mnist_3_ddp.py", "2 processes"),
 }
