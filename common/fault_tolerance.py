@@ -125,7 +125,9 @@ class StepLog:
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)
 
-    def step(self, step: int, participants: int, committed: bool, healed: bool) -> None:
+    def step(self, step: int, participants: int, committed: bool, healed: bool) -> bool:
+        """Log one step; True where the quorum's size changed or this group healed: what the rung prints."""
+        changed = healed or participants != (self.participants[-1] if self.participants else None)
         self.steps_run += committed
         self.heals += healed
         self.participants.append(participants)
@@ -133,6 +135,7 @@ class StepLog:
             with self.path.open("a") as file:
                 file.write(json.dumps({"time": time.time(), "group": self.group, "step": step,
                                        "participants": participants, "committed": committed, "healed": healed}) + "\n")
+        return changed
 
     def summary(self, path: Path | None, final_step: int, accuracy: float) -> None:
         if path:

@@ -248,7 +248,7 @@ def test_the_readme_is_a_map():
 
 # ---- the change shown inline on each chapter page is the script's own text ----
 
-CHAPTER_PAGES = ["mnist.md", "bert.md", "inside_ddp.md", "resume.md", "sharded.md", "lightning.md", "hsdp.md", "compression.md",
+CHAPTER_PAGES = ["mnist.md", "bert.md", "inside_ddp.md", "resume.md", "fault_tolerant.md", "sharded.md", "lightning.md", "hsdp.md", "compression.md",
                  "compile.md"]
 EXCERPT = re.compile(r'^```(?:python|bash) title="([^"]+)"\n(.*?)^```$', re.MULTILINE | re.DOTALL)
 PAGES = sorted(path.name for path in (ROOT / "docs").glob("*.md"))

@@ -64,8 +64,7 @@ def train_steps(model, batches, optimizer, scaler, manager, device, precision, m
         scaler.update()
         loss_sum += loss.detach()
         participants, heal = manager.num_participants(), bool(healed)  # STEP
-        log.step(manager.current_step(), participants, manager.current_step() != step, heal)  # STEP
-        if heal or participants != max(log.participants[-2:-1], default=0):  # STEP: say when the quorum changes
+        if log.step(manager.current_step(), participants, manager.current_step() != step, heal):  # STEP: a new quorum, or a heal
             print(f"group {log.group}: step {manager.current_step()}, {participants} groups in the quorum"  # STEP
                   + (", healed from a live peer" if heal else ""), flush=True)  # STEP
         healed.clear()  # STEP
@@ -107,7 +106,7 @@ def main():
     torch.manual_seed(args.seed + 1 + args.group)  # STEP: own dropout masks per group
     manager = torchft.Manager(  # STEP: this group's seat in the quorum
         pg=torchft.ProcessGroupGloo() if device.type == "cpu" else torchft.ProcessGroupNCCL(),  # STEP: across groups
-        load_state_dict=None, state_dict=None,  # STEP: registered below, once the model and optimizer are wrapped
+        load_state_dict=None, state_dict=None,  # STEP: registered below, once the optimizer is wrapped
         min_replica_size=1, replica_id=f"mnist_ft_{args.group}", lighthouse_addr=args.lighthouse,  # STEP: the lighthouse sets the minimum
         init_sync=False, **timeouts(args))  # STEP: init_sync=False: the seed made the weights equal
     compile_in_place(model, args.compile)  # STEP: in place: the state a peer sends keeps the model's own keys
