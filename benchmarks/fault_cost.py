@@ -77,6 +77,7 @@ def restart_run(args, folder: Path, kill_after: int) -> dict:
 
 
 def heal_run(args, folder: Path, kill_after: int) -> dict:
+    os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse in this process logs every quorum at INFO
     from torchft.coordination import LighthouseServer
     trace = folder / "trace"
     trace.mkdir(parents=True)

@@ -10,6 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from common.cli import positive_float, positive_int
 
@@ -48,11 +49,12 @@ def add_fault_tolerance_flags(parser: argparse.ArgumentParser) -> argparse.Argum
     return parser
 
 
-def check_group(args, launch, script: str) -> None:
-    """One sentence for a group number out of range, a group of several processes, or no lighthouse."""
+def check_group(args, launch, script: str, one_process: bool = True) -> None:
+    """One sentence for a group number out of range, a group of several processes where one is meant, or no
+    lighthouse."""
     if not 0 <= args.group < args.groups:
         sys.exit(f"error: --group {args.group} is not one of the {args.groups} groups 0 .. {args.groups - 1}.")
-    if launch.world_size != 1:
+    if one_process and launch.world_size != 1:
         sys.exit(f"error: each replica group of {script} is one process (torchrun --nproc_per_node=1), not "
                  f"{launch.world_size}: start one torchrun per group.")
     if not args.lighthouse:
@@ -78,15 +80,53 @@ def quorum_errors():
 
 def average_gradients(model, manager) -> None:
     """The gradients averaged over the groups in this step's quorum: one all-reduce of one flat buffer, after backward.
+    Under FSDP2 each rank averages its own pieces with the same pieces of the other groups (rank r with rank r).
 
     Not torchft's DistributedDataParallel: at torchft 0.2.0 its gradient hook asserts that every all-reduce returned
     a live future, and one that failed (a peer died during the step) returns none, so the assertion ends the survivor
     too. manager.allreduce records the error instead, and should_commit then says no: the step is taken again."""
-    grads = [parameter.grad for parameter in model.parameters()]
+    grads = [local_shards(parameter.grad) for parameter in model.parameters()]  # FSDP2: this rank's pieces
     flat = _flatten_dense_tensors(grads)
     manager.allreduce(flat).wait()  # divided by the number of participants; zeros from a group that heals
     for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
         grad.copy_(averaged)
+
+
+def local_shards(state):
+    """A state dict with each DTensor (FSDP2's sharded parameters and moments) replaced by this rank's piece: what
+    a sharded group sends a healing peer, rank r to rank r, as plain tensors."""
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {key: local_shards(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [local_shards(value) for value in state]
+    return state
+
+
+def sharded_like(received, template):
+    """received (local_shards of a peer's state) made DTensors again, each on the mesh and with the placements of
+    the matching DTensor of template (this rank's own state); what is not a DTensor there stays as received."""
+    if isinstance(template, DTensor):
+        return DTensor.from_local(received, template.device_mesh, template.placements, run_check=False,
+                                  shape=template.shape, stride=template.stride())
+    if isinstance(template, dict):
+        return {key: sharded_like(value, template[key]) if key in template else value
+                for key, value in received.items()}
+    if isinstance(template, list):
+        return [sharded_like(value, own) for value, own in zip(received, template)]
+    return received
+
+
+def sharded_optimizer_state(received: dict, parameters: list) -> dict:
+    """A peer's optimizer state dict (its local_shards) as this rank's optimizer loads it: each tensor of a
+    parameter's state with the shape of that parameter's piece (AdamW's moments) becomes a DTensor like the
+    parameter; the rest (the step count, the hyper-parameters) stays as it came."""
+    def like(value, parameter):
+        return sharded_like(value, parameter) if value.shape == parameter.to_local().shape else value
+    state = {index: {key: like(value, parameters[index]) for key, value in moments.items()}
+             for index, moments in received["state"].items()}
+    return {**received, "state": state}
 
 
 def timeouts(args) -> dict:
@@ -118,8 +158,8 @@ class StepBatches:
 class StepLog:
     """--step-log's JSON lines and --summary's counts: what the tests check and the figure draws."""
 
-    def __init__(self, path: Path | None, group: int):
-        self.path, self.group, self.start = path, group, time.time()
+    def __init__(self, path: Path | None, group: int, groups: int):
+        self.path, self.group, self.groups, self.start = path, group, groups, time.time()
         self.steps_run = self.heals = 0
         self.participants = []
         if path:

@@ -27,7 +27,8 @@ STEPS = [*zip(MNIST_LADDER, MNIST_LADDER[1:]),  # each script is one step from t
          ("mnist_3_ddp.py", "mnist_5_lightning.py"),  # Lightning, like Accelerate, takes over step 3's plumbing
          ("mnist_3_ddp.py", "scale_out/mnist_comm_hooks.py"),  # fewer bytes per step: a DDP communication hook
          ("mnist_3_ddp.py", "scale_out/mnist_diloco.py"),  # fewer steps that communicate: local SGD and DiLoCo
-         ("mnist_3_ddp.py", "fault_tolerant/mnist_3_ddp_ft.py")]  # replica groups that heal from a live peer
+         ("mnist_3_ddp.py", "fault_tolerant/mnist_3_ddp_ft.py"),  # replica groups that heal from a live peer
+         ("sharded/mnist_fsdp.py", "fault_tolerant/mnist_fsdp_ft.py")]  # the same, each group an FSDP2 job
 BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py"]
 # Not rungs: each program of the debugging gallery holds one bug and, behind --fixed, its fix
 # (tests/test_debugging.py runs both).
@@ -49,8 +50,10 @@ DELETIONS = {  # unmarked lines of the earlier script that a step deletes on pur
         "for epoch in range(args.epochs):", "start = time.perf_counter()",
         "train_seconds += time.perf_counter() - start", 'print0(f"epoch {epoch}: mean training loss {loss:.4f}")'],
     ("mnist_3_ddp.py", "resume/mnist_3_ddp_resume.py"): [COMPILE_LINE],
-    # compiled in place, so that the state a peer sends keeps the model's own keys
-    ("mnist_3_ddp.py", "fault_tolerant/mnist_3_ddp_ft.py"): [COMPILE_IMPORT, COMPILE_LINE],
+    # the loop counts the quorum's steps, not epochs
+    ("mnist_3_ddp.py", "fault_tolerant/mnist_3_ddp_ft.py"): [
+        "loss = train_epoch(model, train_loader, optimizer, scaler, device, precision)",
+        'print0(f"epoch {epoch}: mean training loss {loss:.4f}")'],
     ("ddp.py", "resume/ddp_resume.py"): [COMPILE_LINE],  # as its MNIST twin: the resumed run is eager
     # FSDP2 compiles each block on its own (compile_in_place), not the wrapped model
     ("ddp.py", "sharded/nli_fsdp.py"): [COMPILE_IMPORT],

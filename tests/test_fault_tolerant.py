@@ -27,6 +27,7 @@ torchft = pytest.importorskip("torchft", reason="torchft is not installed: pip i
 from torchft.coordination import LighthouseServer  # noqa: E402
 
 RUNG = "src/ch4/fault_tolerant/mnist_3_ddp_ft.py"
+FSDP_RUNG = "src/ch4/fault_tolerant/mnist_fsdp_ft.py"
 HOOKS = ROOT / "tests" / "ft_hooks.py"
 # The heal fetches a peer's state over HTTP from the peer's host name: past offline_env's dead proxy.
 LOCAL = {"no_proxy": f"localhost,127.0.0.1,::1,{socket.gethostname()}"}
@@ -46,14 +47,15 @@ def lighthouse():
 class Groups:
     """Replica groups of one process each, started as a user starts them (torchrun), in a session of their own."""
 
-    def __init__(self, folder: Path, lighthouse: str, data: Path, groups: int, steps: int, batch: int):
+    def __init__(self, folder: Path, lighthouse: str, data: Path, groups: int, steps: int, batch: int,
+                 script: str = RUNG, nproc: int = 1):
         self.folder, self.lighthouse, self.data = folder, lighthouse, data
-        self.groups, self.steps, self.batch = groups, steps, batch
+        self.groups, self.steps, self.batch, self.script, self.nproc = groups, steps, batch, script, nproc
         self.running, self.starts = {}, {}
 
     def start(self, group: int, hooks: str = "none") -> None:
         run = self.starts[group] = self.starts.get(group, 0) + 1
-        command = [*TORCHRUN, "--nproc_per_node=1", HOOKS, hooks, RUNG, "--data-dir", self.data, "--group", group,
+        command = [*TORCHRUN, f"--nproc_per_node={self.nproc}", HOOKS, hooks, self.script, "--data-dir", self.data, "--group", group,
                    "--groups", self.groups, "--batch-size", self.batch, "--max-steps", self.steps,
                    "--lighthouse", self.lighthouse, "--quorum-timeout", 30, "--dist-timeout", 30,
                    "--step-log", self.log_path(group, run), "--summary", self.folder / f"summary{group}.json",
@@ -129,8 +131,8 @@ def children(pid: int) -> list[int]:
 def make_groups(tmp_path, lighthouse, tiny_mnist):
     made = []
 
-    def make(groups: int, steps: int, batch: int) -> Groups:
-        made.append(Groups(tmp_path, lighthouse, tiny_mnist, groups, steps, batch))
+    def make(groups: int, steps: int, batch: int, **options) -> Groups:
+        made.append(Groups(tmp_path, lighthouse, tiny_mnist, groups, steps, batch, **options))
         return made[-1]
     yield make
     for groups in made:
@@ -187,7 +189,7 @@ def test_a_group_killed_in_the_middle_of_its_heal_leaves_its_peer_training(make_
     """Group 1 joins late, and is killed while it fetches group 0's state: group 0 goes on alone; group 1 started
     again heals, and both end equal."""
     slow, healing = tmp_path / "slow", tmp_path / "healing"
-    groups = make_groups(groups=2, steps=40, batch=12)
+    groups = make_groups(groups=2, steps=30, batch=12)
     slow.touch()
     groups.start(0, f"slow-while={slow}")
     groups.wait_for("step 3 in group 0", lambda: groups.step(0) >= 3)
@@ -205,12 +207,27 @@ def test_a_group_killed_in_the_middle_of_its_heal_leaves_its_peer_training(make_
     assert equal_weights(groups, 2)
 
 
+def test_sharded_groups_heal_rank_by_rank(make_groups, tmp_path):
+    """2 groups, each FSDP2 over 2 processes: group 1 (its agent and both workers) is killed and started again;
+    each of its ranks heals its own pieces from the same rank of group 0, and the gathered weights end equal."""
+    slow = tmp_path / "slow"
+    groups = make_groups(groups=2, steps=30, batch=12, script=FSDP_RUNG, nproc=2)
+    for group in range(2):
+        groups.start(group, f"slow-while={slow}")
+    groups.wait_for("step 3 in both groups", lambda: min(groups.step(group) for group in range(2)) >= 3)
+    healed = kill_and_heal(groups, 1, slow)
+    groups.finish()
+    assert healed["healed"] and healed["step"] > 3 and groups.summary(1)["heals"] >= 1
+    assert all(groups.summary(group)["final_step"] == 30 for group in range(2))
+    assert equal_weights(groups, 2)
+
+
 @pytest.mark.parametrize("bug", ["skip-heal-copy", "heal-weights-only"])
 def test_a_heal_that_does_not_copy_the_whole_state_is_caught(make_groups, tmp_path, bug):
     """Negative controls: the same late join, with a heal that copies nothing, or the weights without the optimizer's
     moments. The step still jumps to the peers', and the weights end apart: the equality above can fail."""
     slow = tmp_path / "slow"
-    groups = make_groups(groups=2, steps=30, batch=12)
+    groups = make_groups(groups=2, steps=20, batch=12)
     slow.touch()
     groups.start(0, f"slow-while={slow}")
     groups.wait_for("step 3 in group 0", lambda: groups.step(0) >= 3)

@@ -65,7 +65,7 @@ def train_steps(model, batches, optimizer, scaler, manager, device, precision, m
         loss_sum += loss.detach()
         participants, heal = manager.num_participants(), bool(healed)  # STEP
         if log.step(manager.current_step(), participants, manager.current_step() != step, heal):  # STEP: a new quorum, or a heal
-            print(f"group {log.group}: step {manager.current_step()}, {participants} groups in the quorum"  # STEP
+            print(f"group {log.group}: step {manager.current_step()}, {participants} of {log.groups} groups in the quorum"  # STEP
                   + (", healed from a live peer" if heal else ""), flush=True)  # STEP
         healed.clear()  # STEP
     return loss_sum.item() / max(log.steps_run, 1)  # STEP
@@ -123,7 +123,7 @@ def main():
     manager.register_state_dict_fn("training", load_state, lambda: {  # STEP: what a live peer sends
         "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()})  # STEP
     max_steps = args.max_steps or args.epochs * len(train_loader)  # STEP
-    log = StepLog(args.step_log, args.group)  # STEP
+    log = StepLog(args.step_log, args.group, args.groups)  # STEP
 
     print(f"group {args.group} of {args.groups} on {device.type}, {precision}, global batch {args.batch_size} = "  # STEP
           f"{args.groups} x {batch_size}, {max_steps} steps", flush=True)  # STEP
@@ -144,4 +144,4 @@ def main():
 
 if __name__ == "__main__":
     with quorum_errors():  # STEP: no lighthouse, or no quorum in time: one sentence
-        main()
+        main()  # STEP

@@ -1,0 +1,155 @@
+"""MNIST with FSDP2 in fault-tolerant replica groups: HSDP's shape, with torchft across the replica dimension.
+
+Each replica group is mnist_fsdp.py's job: N processes (one torchrun), each holding 1/N of the model, its
+gradients and AdamW's moments. Across the groups, the replica dimension of HSDP (docs/hsdp.md), torchft takes the
+place of a fixed process group: a lighthouse forms a quorum of the live groups before every step, a group that
+dies drops out, and one that comes back heals from a live peer, rank r from rank r, each its own pieces.
+What changes from mnist_fsdp.py (mnist_3_ddp_ft.py explains the torchft lines):
+  - inside a group, FSDP2 reduce-scatters the gradients as before; then each rank averages its pieces with the
+    same pieces of the other groups in the quorum (manager.allreduce, one flat buffer);
+  - the state a peer sends is this rank's pieces as plain tensors (local_shards), made DTensors again on the
+    healing rank's own mesh (sharded_like): a DTensor does not travel between processes with its mesh;
+  - a group's rank 0 writes the log and the summary, and --save gathers the full weights (full_tensor).
+
+Run from the repository root, on one machine, 2 groups of 2 processes (docs/fault_tolerant.md):
+    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --quorum_tick_ms 100 --bind [::]:29510 &
+    export TORCHFT_LIGHTHOUSE=http://localhost:29510 NUM_REPLICA_GROUPS=2
+    for g in 0 1; do REPLICA_GROUP_ID=$g torchrun --standalone --nproc_per_node=2 \\
+        src/ch4/fault_tolerant/mnist_fsdp_ft.py --batch-size 64 --max-steps 500 & done; wait
+
+Lines marked `# STEP` are what this step changes in sharded/mnist_fsdp.py.
+"""
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data.distributed import DistributedSampler
+
+from common.cli import mnist_parser
+from common.compile import add_compile_flag, compile_in_place
+from common.cli import per_process_batch
+from common.distributed import device_for, init_process_group, print0, processes, require_launcher
+from common.distributed import exit_process
+from common.fault_tolerance import StepBatches, StepLog, add_fault_tolerance_flags, average_gradients, check_group  # STEP
+from common.fault_tolerance import local_shards, quorum_errors, require_torchft, sharded_like, sharded_optimizer_state  # STEP
+from common.fault_tolerance import timeouts  # STEP
+from common.fsdp import fully_shard
+from common.gather import sum_across_ranks
+from common.mnist import BasicNet, load_mnist, make_loader
+from common.precision import autocast, grad_scaler, resolve_precision
+from common.samplers import DistributedEvalSampler
+from common.samplers import ResumableDistributedSampler  # STEP
+
+torchft = require_torchft()  # STEP
+
+
+def train_steps(model, batches, optimizer, scaler, manager, device, precision, max_steps, log, healed):  # STEP
+    """Steps until the quorum's step reaches max_steps; returns the mean training loss of the steps taken."""  # STEP
+    model.train()
+    loss_sum = torch.zeros((), device=device)
+    while manager.current_step() < max_steps:  # STEP
+        step = manager.current_step()  # STEP
+        images, labels = batches(step)  # STEP
+        images = images.to(device, memory_format=torch.channels_last, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        with autocast(device, precision):
+            loss = F.nll_loss(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        average_gradients(model, manager)  # STEP: this rank's pieces, with the same pieces of the other groups
+        scaler.step(optimizer)
+        scaler.update()
+        loss_sum += loss.detach()
+        participants, heal = manager.num_participants(), bool(healed)  # STEP
+        if log.step(manager.current_step(), participants, manager.current_step() != step, heal):  # STEP
+            print0(f"group {log.group}: step {manager.current_step()}, {participants} of {log.groups} groups in the quorum"  # STEP
+                   + (", healed from a live peer" if heal else ""))  # STEP
+        healed.clear()  # STEP
+    return loss_sum.item() / max(log.steps_run, 1)  # STEP
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, precision, unpadded):
+    """Count correct predictions and images seen among this rank's first `unpadded` images."""
+    model.eval()
+    correct = seen = 0
+    for images, labels in loader:
+        images = images.to(device, memory_format=torch.channels_last, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        with autocast(device, precision):
+            predictions = model(images).argmax(dim=1)
+        keep = min(labels.numel(), unpadded - seen)
+        correct += (predictions[:keep] == labels[:keep]).sum().item()
+        seen += keep
+    return correct, seen
+
+
+def main():
+    args = add_fault_tolerance_flags(add_compile_flag(mnist_parser(__doc__))).parse_args()  # STEP
+
+    launch = require_launcher("src/ch4/fault_tolerant/mnist_fsdp_ft.py")  # STEP
+    check_group(args, launch, "src/ch4/fault_tolerant/mnist_fsdp_ft.py", one_process=False)  # STEP
+    device = device_for(launch)
+    init_process_group(launch, device, args.dist_timeout)
+    precision = resolve_precision(args.precision, device)
+    torch.manual_seed(args.seed + launch.rank)
+
+    train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
+    batch_size = per_process_batch(args.batch_size, args.groups * launch.world_size)  # STEP: G groups of N
+    train_sampler = ResumableDistributedSampler(train_set, batch_size, num_replicas=args.groups * launch.world_size,  # STEP
+                                                rank=args.group * launch.world_size + launch.rank, seed=args.seed)  # STEP
+    train_loader = make_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP
+    test_loader = make_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)
+    unpadded = len(DistributedEvalSampler(test_set))
+
+    model = BasicNet().to(device)
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    for layer in (model.conv1, model.conv2, model.fc1, model.fc2):
+        fully_shard(layer)
+        compile_in_place(layer, args.compile)
+    fully_shard(model)
+    manager = torchft.Manager(  # STEP: one per rank; rank 0's speaks to the lighthouse for the group
+        pg=torchft.ProcessGroupGloo() if device.type == "cpu" else torchft.ProcessGroupNCCL(),  # STEP: rank r of each group
+        load_state_dict=None, state_dict=None, min_replica_size=1, replica_id=f"mnist_fsdp_ft_{args.group}",  # STEP
+        lighthouse_addr=args.lighthouse, init_sync=False, **timeouts(args))  # STEP
+    optimizer = torchft.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))  # STEP
+    scaler = grad_scaler(device, precision)
+    healed = []  # STEP
+
+    def load_state(state):  # STEP: this rank's pieces from the same rank of a live group, made DTensors here
+        model.load_state_dict(sharded_like(state["model"], model.state_dict()))  # STEP
+        optimizer.load_state_dict(sharded_optimizer_state(state["optimizer"], list(model.parameters())))  # STEP
+        scaler.load_state_dict(state["scaler"])  # STEP
+        healed.append(True)  # STEP
+
+    manager.register_state_dict_fn("training", load_state, lambda: local_shards({  # STEP: plain tensors travel
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}))  # STEP
+    max_steps = args.max_steps or args.epochs * len(train_loader)  # STEP
+    log = StepLog(args.step_log if launch.rank == 0 else None, args.group, args.groups)  # STEP
+
+    print0(f"group {args.group} of {args.groups}: {processes(launch.world_size)} on {device.type}, {precision}, global batch "  # STEP
+           f"{args.batch_size} = {args.groups} x {launch.world_size} x {batch_size}, {max_steps} steps")  # STEP
+    start = time.perf_counter()  # STEP
+    loss = train_steps(model, StepBatches(train_loader), optimizer, scaler, manager, device, precision, max_steps, log,  # STEP
+                       healed)  # STEP
+    train_seconds = time.perf_counter() - start  # STEP
+    print0(f"group {args.group}: mean training loss {loss:.4f} over the {log.steps_run} steps it took, "  # STEP
+           f"{log.heals} heal(s)")  # STEP
+
+    correct, seen = evaluate(model, test_loader, device, precision, unpadded)
+    correct, seen = sum_across_ranks(correct, seen, device=device)
+    print0(f"group {args.group}: train time {train_seconds:.1f} s, test accuracy {correct / seen:.2%} over {seen} images")  # STEP
+    weights = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}  # STEP: gathered on every rank
+    if args.save and launch.rank == 0:  # STEP
+        torch.save(weights, args.save)  # STEP
+    log.summary(args.summary if launch.rank == 0 else None, manager.current_step(), correct / seen)  # STEP
+    manager.shutdown()  # STEP
+    dist.destroy_process_group()
+    exit_process()
+
+
+if __name__ == "__main__":
+    with quorum_errors():  # STEP
+        main()  # STEP
