@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from common.cli import mnist_parser
 from common.compile import add_compile_flag, compile_in_place  # STEP
 from common.cli import per_process_batch
-from common.distributed import device_for, require_launcher
+from common.distributed import device_for, require_launcher  # STEP
 from common.fault_tolerance import StepBatches, StepLog, add_fault_tolerance_flags, average_gradients, check_group  # STEP
 from common.fault_tolerance import quorum_errors, timeouts  # STEP
 from common.fault_tolerance import require_torchft  # STEP
@@ -57,10 +57,10 @@ def train_steps(model, batches, optimizer, scaler, manager, device, precision, m
         labels = labels.to(device, non_blocking=True)
         with autocast(device, precision):
             loss = F.nll_loss(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)  # STEP: also asks the lighthouse for this step's quorum
+        optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         average_gradients(model, manager)  # STEP: over the quorum's groups (a healing group adds zeros)
-        scaler.step(optimizer)  # STEP: only where every group of the quorum committed
+        scaler.step(optimizer)
         scaler.update()
         loss_sum += loss.detach()
         participants, heal = manager.num_participants(), bool(healed)  # STEP
@@ -110,7 +110,7 @@ def main():
         min_replica_size=1, replica_id=f"mnist_ft_{args.group}", lighthouse_addr=args.lighthouse,  # STEP: the lighthouse sets the minimum
         init_sync=False, **timeouts(args))  # STEP: init_sync=False: the seed made the weights equal
     compile_in_place(model, args.compile)  # STEP: in place: the state a peer sends keeps the model's own keys
-    optimizer = torchft.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))  # STEP: steps if committed
+    optimizer = torchft.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))  # STEP: zero_grad asks for the quorum, step commits or skips
     scaler = grad_scaler(device, precision)
     healed = []  # STEP
 
@@ -134,7 +134,7 @@ def main():
     print(f"group {args.group}: mean training loss {loss:.4f} over the {log.steps_run} steps it took, "  # STEP
           f"{log.heals} heal(s)", flush=True)  # STEP
 
-    correct, seen = evaluate(model, test_loader, device, precision)
+    correct, seen = evaluate(model, test_loader, device, precision)  # STEP: the model itself: no wrapper
     print(f"group {args.group}: train time {train_seconds:.1f} s, test accuracy {correct / seen:.2%} over {seen} images")  # STEP
     if args.save:  # STEP
         torch.save(model.state_dict(), args.save)  # STEP
