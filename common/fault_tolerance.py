@@ -45,7 +45,8 @@ def add_fault_tolerance_flags(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument("--save", type=Path, help="write the trained weights (a state dict) to this file")
     parser.add_argument("--summary", type=Path, help="write the run's summary (JSON) to this file")
     parser.add_argument("--step-log", type=Path,
-                        help="append one JSON line per step: time, step, participants, healed (not --log: torchrun takes that)")
+                        help="append one JSON line per step: time, group, step, participants, committed (the step moved on), "
+                             "healed (not --log: torchrun takes that)")
     return parser
 
 
@@ -58,7 +59,7 @@ def check_group(args, launch, script: str, one_process: bool = True) -> None:
         sys.exit(f"error: each replica group of {script} is one process (torchrun --nproc_per_node=1), not "
                  f"{launch.world_size}: start one torchrun per group.")
     if not args.lighthouse:
-        sys.exit("error: no lighthouse: start one (torchft_lighthouse --min_replicas 1 --bind [::]:29510) and pass "
+        sys.exit("error: no lighthouse: start one (torchft_lighthouse --min_replicas 1 --bind '[::]:29510') and pass "
                  "--lighthouse http://HOST:29510, or set TORCHFT_LIGHTHOUSE.")
 
 
@@ -72,7 +73,7 @@ def quorum_errors():
         if "failed to connect" not in str(error):
             raise
         sys.exit(f"error: no lighthouse answered: {str(error).split(';')[0]}. Start it first (torchft_lighthouse "
-                 "--min_replicas 1 --bind [::]:29510), or pass its address with --lighthouse.")
+                 "--min_replicas 1 --bind '[::]:29510'), or pass its address with --lighthouse.")
     except TimeoutError:
         sys.exit("error: no quorum formed within --quorum-timeout: fewer groups reached the lighthouse than its "
                  "--min_replicas. Start the other groups, or the lighthouse with a smaller --min_replicas.")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, ROOT, TORCHRUN, offline_env, run_as_user
+from conftest import PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran, offline_env, run_as_user
 
 os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse logs every quorum at INFO
 torchft = pytest.importorskip("torchft", reason="torchft is not installed: pip install -e '.[ft]'")
@@ -261,6 +261,14 @@ def test_no_lighthouse_no_quorum_no_torchft_each_one_sentence(lighthouse, tiny_m
     assert_one_sentence(results["alone"], "error: no quorum formed within --quorum-timeout")
     assert_one_sentence(results["out of range"], "error: --group 3 is not one of the 3 groups 0 .. 2.")
     assert_one_sentence(results["missing"], "error: the fault-tolerant rungs need torchft", "pip install torchft==0.2.0")
+
+
+@pytest.mark.parametrize("script", [RUNG, FSDP_RUNG])
+def test_one_group_alone_trains_compiled(lighthouse, tiny_mnist, script):
+    """A quorum of one commits every step; --compile (in place) leaves the state a peer would get as the model's."""
+    result = run_as_user(*TORCHRUN, "--nproc_per_node=1", script, "--data-dir", tiny_mnist, "--lighthouse", lighthouse,
+                         "--max-steps", 3, "--compile", "eager", env_extra=LOCAL, timeout=120)
+    assert_ran(result, "1 of 1 groups in the quorum", f"over {TEST_IMAGES} images")
 
 
 def assert_one_sentence(result, *phrases):

@@ -355,6 +355,36 @@ def test_diloco_one_process(run_command, tiny_mnist):
                f"mean of {MNIST_STEPS} steps): {2 * PLAIN_BYTES / MNIST_STEPS:,.0f} B", f"over {TEST_IMAGES} images")
 
 
+# ---- torchft: one replica group on the GPU (its process group across groups is NCCL) ----
+
+FAULT_TOLERANT = ["fault_tolerant/mnist_3_ddp_ft.py", "fault_tolerant/mnist_fsdp_ft.py"]
+needs_torchft = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
+                                   reason="needs torchft: pip install -e '.[ft]' (Linux x86-64, Python 3.10-3.12)")
+
+
+@pytest.fixture
+def lighthouse():
+    os.environ.setdefault("RUST_LOG", "warn")
+    from torchft.coordination import LighthouseServer
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=50)
+    yield server.address()
+    server.shutdown()
+
+
+@needs_torchft
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("compile_flag", [[], ["--compile", "inductor"]], ids=["eager", "inductor"])
+@pytest.mark.parametrize("script", FAULT_TOLERANT)
+def test_fault_tolerant_rung_one_group_on_gpu(run_command, tiny_mnist, lighthouse, script, compile_flag):
+    """One group alone: the quorum, the manager's all-reduce over NCCL and the commit, on the GPU (two groups on one
+    GPU would put one GPU twice in an NCCL communicator, which NCCL refuses)."""
+    if compile_flag and not (os.environ.get("CC") or any(shutil.which(name) for name in ("gcc", "clang"))):
+        pytest.skip("--compile inductor needs a C compiler")
+    result = run_command(*ONE_PROCESS, CH4 / script, "--data-dir", tiny_mnist, "--lighthouse", lighthouse,
+                         "--max-steps", "3", *compile_flag, env_extra={**ON_GPU, "no_proxy": "*"}, timeout=540)
+    assert_ran(result, "on cuda", "1 of 1 groups in the quorum", f"over {TEST_IMAGES} images")
+
+
 # ---- two processes, one GPU each: NCCL between processes ----
 
 @two_gpus
@@ -446,7 +476,7 @@ def inductor_cache(tmp_path_factory):
 
 def test_every_script_with_compile_is_compiled_here():
     with_flag = {path.relative_to(CH4).as_posix() for path in CH4.rglob("*.py") if "add_compile_flag(" in path.read_text()}
-    assert with_flag == set(MNIST_COMPILE) | set(BERT_COMPILE)
+    assert with_flag == set(MNIST_COMPILE) | set(BERT_COMPILE) | set(FAULT_TOLERANT)
 
 
 @needs_compiler

@@ -9,8 +9,9 @@ by git, like .gpu/wheels). Then tools/gpu_check.py, with the arguments after `--
 The check needs the core dependencies (torch, torchvision, transformers, accelerate, lightning, tqdm) and
 pytest with pytest-xdist and pytest-timeout: without one of them, and without its wheel, it stops with one
 sentence. Its rows import no `datasets`; tests/test_gpu.py's BERT tests do (common/nli.py reads the pairs
-with it), so a machine without it needs the wheels that `make gpu-wheels` downloads on a machine with the
-index: datasets, dill and multiprocess, about 0.9 MB for Python 3.12 (datasets' other needs, pyarrow and
+with it), and its fault-tolerant tests import torchft, so a machine without them needs the wheels that
+`make gpu-wheels` downloads on a machine with the index: datasets, dill and multiprocess, torchft and its
+opentelemetry packages, about 4.2 MB for Python 3.12 (datasets' other needs, pyarrow and
 pandas among them, come with a usual GPU image; where one is missing, its wheel goes into .gpu/wheels too).
 """
 import argparse
@@ -27,7 +28,15 @@ WHEELS, SITE = ROOT / ".gpu" / "wheels", ROOT / ".gpu" / "site"
 CORE = {"torch": "torch", "torchvision": "torchvision", "transformers": "transformers", "accelerate": "accelerate",
         "lightning": "lightning", "tqdm": "tqdm", "pyyaml": "yaml", "pytest": "pytest", "pytest-xdist": "xdist",
         "pytest-timeout": "pytest_timeout"}
-FOR_GPU_TESTS = {"datasets": "datasets", "dill": "dill", "multiprocess": "multiprocess"}  # test_gpu.py's BERT tests
+FOR_GPU_TESTS = {  # what tests/test_gpu.py's BERT tests (datasets) and fault-tolerant tests (torchft) import
+    "datasets": "datasets", "dill": "dill", "multiprocess": "multiprocess",
+    "torchft": "torchft", "opentelemetry-api": "opentelemetry.trace", "opentelemetry-sdk": "opentelemetry.sdk",
+    "opentelemetry-semantic-conventions": "opentelemetry.semconv", "opentelemetry-proto": "opentelemetry.proto",
+    "opentelemetry-exporter-otlp-proto-http": "opentelemetry.exporter.otlp.proto.http",
+    "opentelemetry-exporter-otlp-proto-common": "opentelemetry.exporter.otlp.proto.common",
+    "opentelemetry-exporter-otlp-common": "opentelemetry.exporter.otlp.common",
+    "opentelemetry-exporter-http-transport": "opentelemetry.exporter.http.transport",
+    "googleapis-common-protos": "google.api"}
 
 
 def wheel_for(distribution: str, wheels: list[Path]) -> Path | None:
@@ -52,6 +61,14 @@ def plan(present, wheels: list[Path]) -> tuple[list[Path], list[str], list[str]]
     return install, stop, warn
 
 
+def importable(module: str) -> bool:
+    """Whether this python imports the module; a dotted name whose package is missing is not importable."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--wheels", type=Path, default=WHEELS, help="the wheelhouse (default: .gpu/wheels)")
@@ -60,7 +77,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     check = args.check[1:] if args.check[:1] == ["--"] else args.check
     sys.path[:0] = [str(SITE)]  # what an earlier run installed counts as present
-    install, stop, warn = plan(lambda module: importlib.util.find_spec(module) is not None,
+    install, stop, warn = plan(importable,
                                list(args.wheels.glob("*.whl")) if args.wheels.is_dir() else [])
     print(f"gpu-check offline: {sys.executable}; from {args.wheels}: "
           + (", ".join(wheel.name for wheel in install) or "nothing to install"), flush=True)
@@ -69,7 +86,8 @@ def main(argv=None):
                  f"of {'them' if len(stop) > 1 else 'it'}: put wheels for this python there (pip download on a machine "
                  f"with the index).")
     if warn:
-        print(f"warning: no {', '.join(warn)} here nor in {args.wheels}: tests/test_gpu.py's BERT tests will fail; "
+        print(f"warning: no {', '.join(warn)} here nor in {args.wheels}: the tests of tests/test_gpu.py that need them skip "
+              f"(BERT: datasets; the fault-tolerant rungs: torchft); "
               f"`make gpu-wheels` on a machine with the index downloads the wheels.", flush=True)
     if args.dry_run:
         return

@@ -17,13 +17,14 @@ Not torchft's DistributedDataParallel: at torchft 0.2.0 its gradient hook fails 
 during the all-reduce, which ends the survivor too (common/fault_tolerance.py says more).
 
 Run from the repository root, on one machine: a lighthouse, then one torchrun per group (here 3):
-    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --quorum_tick_ms 100 --bind [::]:29510 &
+    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --quorum_tick_ms 100 --bind '[::]:29510' &
     export TORCHFT_LIGHTHOUSE=http://localhost:29510 NUM_REPLICA_GROUPS=3
-    for g in 0 1 2; do REPLICA_GROUP_ID=$g torchrun --standalone --nproc_per_node=1 \\
-        src/ch4/fault_tolerant/mnist_3_ddp_ft.py --batch-size 96 --max-steps 1000 & done; wait
-Kill one group's torchrun and its worker; start that group's command again: it rejoins and heals. On several
-machines: the lighthouse on one, TORCHFT_LIGHTHOUSE=http://THAT_HOST:29510 everywhere, any groups on each.
-Under SLURM: sbatch slurm/fault_tolerant.sbatch (a lighthouse step and one step per group).
+    for g in 0 1 2; do torchrun --standalone --nproc_per_node=1 \\
+        src/ch4/fault_tolerant/mnist_3_ddp_ft.py --group $g --batch-size 96 & done
+Kill a group, its torchrun and its worker (pkill -KILL -f 'mnist_3_ddp_ft.py --group 1'), and start that
+group's command again: it rejoins and heals. On several machines: the lighthouse on one,
+TORCHFT_LIGHTHOUSE=http://THAT_HOST:29510 everywhere, any groups on each. Under SLURM, a lighthouse step and
+one task per group: sbatch -N3 slurm/fault_tolerant.sbatch src/ch4/fault_tolerant/mnist_3_ddp_ft.py --batch-size 96
 
 Lines marked `# STEP` are what this step changes in mnist_3_ddp.py.
 """

@@ -12,10 +12,10 @@ What changes from mnist_fsdp.py (mnist_3_ddp_ft.py explains the torchft lines):
   - a group's rank 0 writes the log and the summary, and --save gathers the full weights (full_tensor).
 
 Run from the repository root, on one machine, 2 groups of 2 processes (docs/fault_tolerant.md):
-    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --quorum_tick_ms 100 --bind [::]:29510 &
+    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --quorum_tick_ms 100 --bind '[::]:29510' &
     export TORCHFT_LIGHTHOUSE=http://localhost:29510 NUM_REPLICA_GROUPS=2
-    for g in 0 1; do REPLICA_GROUP_ID=$g torchrun --standalone --nproc_per_node=2 \\
-        src/ch4/fault_tolerant/mnist_fsdp_ft.py --batch-size 64 --max-steps 500 & done; wait
+    for g in 0 1; do torchrun --standalone --nproc_per_node=2 \\
+        src/ch4/fault_tolerant/mnist_fsdp_ft.py --group $g --batch-size 64 & done
 
 Lines marked `# STEP` are what this step changes in sharded/mnist_fsdp.py.
 """
