@@ -201,10 +201,10 @@ def plot(runs: dict, args, path: str) -> None:
     top.legend(fontsize=8, loc="upper left")
     bottom.set_ylabel("processes in the step")
     bottom.set_xlabel("seconds since start")
-    bottom.set_ylim(0, 3.5)
+    bottom.set_ylim(-0.2, 3.5)
+    bottom.set_yticks(range(GROUPS + 1))
     bottom.legend(fontsize=8, loc="lower right")
-    finish(fig, path, f"Process 1 killed after step {args.kill_after}: restart from a checkpoint vs heal from a peer"
-                      f" ({where_measured()})")
+    finish(fig, path, f"Process 1 of 3 killed after step {args.kill_after}, {where_measured()}")
 
 
 if __name__ == "__main__":
