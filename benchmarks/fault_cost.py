@@ -129,7 +129,7 @@ def main():
             print(f"running: {label}", flush=True)
             runs[label] = run(args, folder / label.replace(", ", "-").replace(" ", "_"),
                               args.kill_after if fault else 0)
-    print("\nThe groups of the heal run with the kill, as they printed it (restarted group: its second start):")
+    print("\nWhat the groups of the heal run with the kill printed (group 1: both its starts, one after the other):")
     print("\n".join(line for line in runs["heal, killed"]["output"].splitlines()
                     if re.match(r"group \d+: (step|mean|train)", line)))
     for label in ("heal, no fault", "heal, killed"):
