@@ -131,7 +131,9 @@ def sharded_optimizer_state(received: dict, parameters: list) -> dict:
 
 
 def timeouts(args) -> dict:
-    """The Manager's: the quorum and the lighthouse's connection get --quorum-timeout, a collective --dist-timeout."""
+    """The Manager's: the quorum and the lighthouse's connection get --quorum-timeout, a collective --dist-timeout
+    (and so does the process group across the groups: a peer killed while the others set it up for a new quorum
+    holds them that long)."""
     quorum = timedelta(seconds=args.quorum_timeout)
     return {"timeout": timedelta(seconds=args.dist_timeout), "quorum_timeout": quorum, "connect_timeout": quorum}
 

@@ -106,7 +106,7 @@ def main():
     model = BasicNet().to(device, memory_format=torch.channels_last)
     torch.manual_seed(args.seed + 1 + args.group)  # STEP: own dropout masks per group
     manager = torchft.Manager(  # STEP: this group's seat in the quorum
-        pg=torchft.ProcessGroupGloo() if device.type == "cpu" else torchft.ProcessGroupNCCL(),  # STEP: across groups
+        pg=(torchft.ProcessGroupGloo if device.type == "cpu" else torchft.ProcessGroupNCCL)(timeouts(args)["timeout"]),  # STEP: across groups
         load_state_dict=None, state_dict=None,  # STEP: registered below, once the optimizer is wrapped
         min_replica_size=1, replica_id=f"mnist_ft_{args.group}", lighthouse_addr=args.lighthouse,  # STEP: the lighthouse sets the minimum
         init_sync=False, **timeouts(args))  # STEP: init_sync=False: the seed made the weights equal

@@ -111,7 +111,7 @@ def main():
         compile_in_place(layer, args.compile)
     fully_shard(model)
     manager = torchft.Manager(  # STEP: one per rank; rank 0's speaks to the lighthouse for the group
-        pg=torchft.ProcessGroupGloo() if device.type == "cpu" else torchft.ProcessGroupNCCL(),  # STEP: rank r of each group
+        pg=(torchft.ProcessGroupGloo if device.type == "cpu" else torchft.ProcessGroupNCCL)(timeouts(args)["timeout"]),  # STEP: rank r of each group
         load_state_dict=None, state_dict=None, min_replica_size=1, replica_id=f"mnist_fsdp_ft_{args.group}",  # STEP
         lighthouse_addr=args.lighthouse, init_sync=False, **timeouts(args))  # STEP
     optimizer = torchft.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))  # STEP
