@@ -1,0 +1,91 @@
+"""DeepSpeed for the sharded chapter's rungs: the config a run's flags make, and its checkpoints' extras.
+
+deepspeed.initialize takes the whole training set-up as one dict (a JSON file, usually). Three of its
+rules surprise a reader coming from DDP, and this module states each once:
+  - train_batch_size must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps x the
+    world size, or initialize stops with an AssertionError: the rungs check a user's file first and
+    say which numbers disagree;
+  - gradient_clipping defaults to 1.0 (DeepSpeed 0.19), where DDP clips nothing: the rungs always pass
+    it, 0 (off) for MNIST and --max-grad-norm for BERT, so that each stage trains DDP's weights;
+  - "bf16" and "fp16" make the engine hold 16-bit parameters with fp32 masters in the optimizer, and
+    fp16 adds DeepSpeed's own loss scaling (no GradScaler). The CPU has no fp16: common.precision refuses it.
+"""
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+STAGES = (0, 1, 2, 3)
+DEFAULT_STAGE = 3
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+KEEP = 2  # checkpoints kept: DeepSpeed itself keeps every tag it saves
+
+
+def require_deepspeed():
+    """import deepspeed, or one sentence saying how to install it."""
+    try:
+        import deepspeed
+    except ImportError:
+        sys.exit("error: this script needs DeepSpeed, which is not installed: "
+                 "pip install -e '.[deepspeed]' (or pip install deepspeed==0.19.8).")
+    return deepspeed
+
+
+def add_deepspeed_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--zero-stage", type=int, choices=STAGES, default=None,
+                        help=f"ZeRO stage: 0 plain data parallelism, 1 optimizer state sharded, 2 + gradients, "
+                             f"3 + parameters (default: the config file's, else {DEFAULT_STAGE})")
+    parser.add_argument("--deepspeed-config", type=Path, default=None, metavar="JSON",
+                        help="a DeepSpeed config whose keys are laid over the one the flags make")
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher appends it; LOCAL_RANK says the same
+    return parser
+
+
+def deepspeed_config(args, world_size: int, precision: str, max_grad_norm: float = 0.0) -> dict:
+    """The config of this run: what the flags say, with --deepspeed-config's keys laid over it, checked."""
+    config = {
+        "train_batch_size": args.batch_size,
+        "train_micro_batch_size_per_gpu": args.batch_size // world_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": max_grad_norm,
+        "zero_optimization": {"stage": DEFAULT_STAGE},
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+        "steps_per_print": 10**9,  # no DeepSpeed progress lines: the script prints its own
+    }
+    user = read_config(args.deepspeed_config) if args.deepspeed_config else {}
+    for key, value in user.items():
+        config[key] = {**config[key], **value} if isinstance(config.get(key), dict) and isinstance(value, dict) else value
+    stage = config["zero_optimization"].get("stage")
+    if args.zero_stage is not None:
+        if "stage" in user.get("zero_optimization", {}) and stage != args.zero_stage:
+            sys.exit(f"error: {args.deepspeed_config} sets ZeRO stage {stage} and --zero-stage says "
+                     f"{args.zero_stage}: keep one of the two.")
+        config["zero_optimization"]["stage"] = stage = args.zero_stage
+    if stage not in STAGES:
+        sys.exit(f"error: {args.deepspeed_config} sets ZeRO stage {stage!r}; DeepSpeed has stages 0, 1, 2 and 3.")
+    asked = tuple(config[key] for key in BATCH_KEYS)
+    if asked != (args.batch_size, args.batch_size // world_size, 1):
+        sys.exit(f"error: {args.deepspeed_config} asks for {', '.join(f'{k} {v}' for k, v in zip(BATCH_KEYS, asked))}, "
+                 f"and --batch-size {args.batch_size} on {world_size} processes is {args.batch_size // world_size} "
+                 "per process, one micro-batch a step: leave the batch sizes out of the file, or make them say so.")
+    return config
+
+
+def read_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        sys.exit(f"error: --deepspeed-config {path} is not a readable JSON file ({error}).")
+    if not isinstance(config, dict):
+        sys.exit(f"error: --deepspeed-config {path} must hold one JSON object, not a {type(config).__name__}.")
+    return config
+
+
+def remove_old_checkpoints(folder: str | Path, keep: int = KEEP) -> None:
+    """Keep the newest `keep` step-N folders (rank 0 calls this after a save has completed everywhere)."""
+    steps = sorted((path for path in Path(folder).glob("step-*") if path.name[5:].isdigit()),
+                   key=lambda path: int(path.name[5:]), reverse=True)
+    for old in steps[keep:]:
+        shutil.rmtree(old)

@@ -1,0 +1,150 @@
+"""MNIST with DeepSpeed ZeRO: the sharded training of mnist_fsdp.py, by the library most fine-tuners type.
+
+mnist_fsdp.py shards with torch's fully_shard (ZeRO stage 3). DeepSpeed's engine does the same and
+more, chosen by one number, --zero-stage: 0 is plain data parallelism (every rank holds everything),
+1 shards AdamW's state, 2 also the gradients, 3 also the parameters (common/zero.py writes each out).
+What changes from mnist_fsdp.py:
+  - the set-up is one config dict (common/deepspeed_config.py: the batch sizes, the stage, the
+    precision, and gradient clipping turned off, which DeepSpeed turns on by default);
+  - deepspeed.initialize wraps the model and AdamW in one engine, which shards per the stage and
+    starts every rank from rank 0's weights, as DDP does: no broadcast, no per-layer wrap;
+  - engine.backward(loss) and engine.step() replace backward, the scaler and optimizer.step(): the
+    engine scales an fp16 loss itself, averages the gradients (reduce-scatters them at stages 1-3),
+    steps AdamW on this rank's shard and zeroes the gradients;
+  - the engine's own checkpoint: every rank writes its shards into DIR/step-N/ every
+    --checkpoint-every steps; client_state carries the position and every rank's random state, and
+    a rerun of the same command resumes from the newest (bitwise, docs/deepspeed.md). The trained
+    weights go to DIR/final.pt, gathered in full (stage 3 holds only pieces);
+  - with --precision bf16 or fp16 the engine holds 16-bit weights; autocast still casts the images.
+
+Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
+    torchrun --nproc_per_node=3 src/ch4/sharded/mnist_deepspeed.py --zero-stage 2    # 3 GPUs, or 3 CPU processes (gloo)
+    deepspeed --num_gpus 3 src/ch4/sharded/mnist_deepspeed.py --zero-stage 2         # DeepSpeed's own launcher
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 3 src/ch4/sharded/mnist_deepspeed.py     # ... on the CPU
+Needs DeepSpeed: pip install -e '.[deepspeed]'. On a CPU torchrun sets OMP_NUM_THREADS=1 per process.
+
+Lines marked `# STEP` are what this step changes in mnist_fsdp.py.
+"""
+import time
+from dataclasses import asdict  # STEP
+from pathlib import Path  # STEP
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data.distributed import DistributedSampler
+
+from common.checkpoint import Position, rng_state, set_rng_state, write_atomically  # STEP
+from common.cli import add_checkpoint_flags  # STEP
+from common.cli import mnist_parser
+from common.cli import per_process_batch
+from common.deepspeed_config import add_deepspeed_flags, deepspeed_config, remove_old_checkpoints, require_deepspeed  # STEP
+from common.distributed import device_for, init_process_group, print0, processes, require_launcher
+from common.distributed import exit_process
+from common.gather import sum_across_ranks
+from common.mnist import BasicNet, load_mnist, make_loader
+from common.precision import autocast, resolve_precision  # STEP
+from common.samplers import DistributedEvalSampler
+from common.samplers import ResumableDistributedSampler  # STEP
+
+deepspeed = require_deepspeed()  # STEP: import deepspeed, or one sentence on how to install it
+
+
+def train_epoch(engine, loader, device, precision, position, args):  # STEP
+    """One pass over this process's share of the training set; returns the mean training loss."""
+    engine.train()  # STEP
+    loss_sum = torch.zeros((), device=device)
+    for images, labels in loader:
+        images = images.to(device, memory_format=torch.channels_last, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        with autocast(device, precision):
+            loss = F.nll_loss(engine(images), labels)  # STEP
+        engine.backward(loss)  # STEP: fp16 loss scaling; stages 2-3 reduce-scatter each gradient as backward makes it
+        engine.step()  # STEP: average (stage 0-1), clip if configured, AdamW on this rank's shard, zero the gradients
+        loss_sum += loss.detach()
+        position.advance(loader.sampler.global_batch, len(loader.dataset))  # STEP: the samples all ranks trained on
+        if position.step % args.checkpoint_every == 0:  # STEP
+            save_checkpoint(engine, args.checkpoint_dir, position, device)  # STEP
+    return loss_sum.item() / len(loader)
+
+
+def save_checkpoint(engine, folder, position, device):  # STEP
+    """The engine writes its own checkpoint, every rank its shards; client_state rides in rank 0's file."""  # STEP
+    every_rng = [None] * dist.get_world_size()  # STEP
+    dist.all_gather_object(every_rng, rng_state(device))  # STEP: each rank's dropout masks go on as they would have
+    engine.save_checkpoint(folder, tag=f"step-{position.step}", client_state={"position": asdict(position), "rng": every_rng})  # STEP
+    if dist.get_rank() == 0:  # STEP
+        remove_old_checkpoints(folder)  # STEP: DeepSpeed keeps every tag
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, precision, unpadded):
+    """Count correct predictions and images seen among this rank's first `unpadded` images."""
+    model.eval()
+    correct = seen = 0
+    for images, labels in loader:
+        images = images.to(device, memory_format=torch.channels_last, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        with autocast(device, precision):
+            predictions = model(images).argmax(dim=1)
+        keep = min(labels.numel(), unpadded - seen)
+        correct += (predictions[:keep] == labels[:keep]).sum().item()
+        seen += keep
+    return correct, seen
+
+
+def main():
+    args = add_deepspeed_flags(add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist-deepspeed", every=200)).parse_args()  # STEP
+
+    launch = require_launcher("src/ch4/sharded/mnist_deepspeed.py")  # STEP
+    device = device_for(launch)
+    init_process_group(launch, device, args.dist_timeout)
+    precision = resolve_precision(args.precision, device)
+    torch.manual_seed(args.seed + launch.rank)
+
+    train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
+    batch_size = per_process_batch(args.batch_size, launch.world_size)
+    train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)  # STEP: can start mid-epoch
+    train_loader = make_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP: not the global RNG
+    test_loader = make_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)
+    unpadded = len(DistributedEvalSampler(test_set))
+
+    model = BasicNet().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    config = deepspeed_config(args, launch.world_size, precision)  # STEP: batch sizes, stage, precision, no clipping
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)  # STEP: rank 0's weights, sharded per the stage
+    client_state = None  # STEP
+    if (Path(args.checkpoint_dir) / "latest").exists():  # STEP: DeepSpeed's file naming the newest tag
+        _, client_state = engine.load_checkpoint(args.checkpoint_dir)  # STEP: every rank reads its shards
+    position = Position(**client_state["position"]) if client_state else Position()  # STEP
+    if client_state:  # STEP
+        set_rng_state(client_state["rng"][launch.rank], device)  # STEP
+    first_step = position.step  # STEP
+
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, ZeRO stage {engine.zero_optimization_stage()}, "  # STEP
+           f"global batch {args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
+    train_seconds = 0.0
+    for epoch in range(position.epoch, args.epochs):  # STEP
+        train_sampler.set_epoch(epoch, position.samples_done)  # STEP: the same shuffle, from the global cursor on
+        start = time.perf_counter()
+        loss = train_epoch(engine, train_loader, device, precision, position, args)  # STEP
+        train_seconds += time.perf_counter() - start
+        loss = sum_across_ranks(loss, device=device)[0] / launch.world_size
+        print0(f"epoch {epoch}: mean training loss {loss:.4f}")
+    save_checkpoint(engine, args.checkpoint_dir, position, device)  # STEP: a later --epochs N continues from here
+    final = Path(args.checkpoint_dir) / "final.pt"  # STEP
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # STEP: stage 3 all-gathers; 0-2 hold them whole
+        if launch.rank == 0:  # STEP
+            write_atomically({k: v.float().cpu() for k, v in engine.module.state_dict().items()}, final)  # STEP
+    print0(f"final weights in {final}")  # STEP
+
+    correct, seen = evaluate(engine, test_loader, device, precision, unpadded)  # STEP: stage 3: every rank runs every forward
+    correct, seen = sum_across_ranks(correct, seen, device=device)
+    print0(f"train time {train_seconds:.1f} s, {(position.step - first_step) * args.batch_size / max(train_seconds, 1e-9):.0f} samples/s")  # STEP: this run's
+    print0(f"test accuracy {correct / seen:.2%} over {seen} images")
+    dist.destroy_process_group()
+    exit_process()
+
+
+if __name__ == "__main__":
+    main()
