@@ -119,6 +119,7 @@ def main():
     position = Position(**client_state["position"]) if client_state else Position()  # STEP
     if client_state:  # STEP
         set_rng_state(client_state["rng"][launch.rank], device)  # STEP
+        print0(f"resumed at step {position.step}: epoch {position.epoch}, {position.samples_done} samples into it")  # STEP
     first_step = position.step  # STEP
 
     print0(f"{processes(launch.world_size)} on {device.type}, {precision}, ZeRO stage {engine.zero_optimization_stage()}, "  # STEP
