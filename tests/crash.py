@@ -20,6 +20,8 @@ WHAT is comma-separated:
                                its first optimizer step (what it loaded) to $RECORD_SAMPLES/loaded-rank<R>.pt
   first-buckets                negative control: a resumed DDP does not rebuild its buckets before
                                its first step (common/ddp_buckets.py)
+  keep-eval-padding            negative control: the Trainer gathers its evaluation without dropping the
+                               padding that evens the ranks' batches (Accelerate's gather, not gather_for_metrics)
   none                         no crash
 Kills happen only on the first attempt (TORCHELASTIC_RESTART_COUNT 0, SLURM_RESTART_COUNT 0), so
 the restart runs clean.
@@ -118,6 +120,9 @@ if __name__ == "__main__":
         elif item == "first-buckets":
             import common.ddp_buckets
             common.ddp_buckets.rebuild_buckets = lambda model, autocast, *inputs, **kwargs: None
+        elif item == "keep-eval-padding":
+            import accelerate
+            accelerate.Accelerator.gather_for_metrics = lambda self, data, use_gather_object=False: self.gather(data)
         elif not killing and item not in ("none", "slow-first-run"):
             sys.exit(f"tests/crash.py: unknown {item}")
     sys.argv = sys.argv[2:]

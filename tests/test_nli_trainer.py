@@ -1,0 +1,63 @@
+"""The Trainer rung (src/ch4/nli_trainer.py) evaluates exactly as ddp.py does, and refuses what it cannot do.
+
+Both scripts run at 3 processes on the 13 held-out pairs, which 3 does not divide: ddp.py gives each
+pair to one rank (DistributedEvalSampler); the Trainer pads the ranks' last batches to as many
+(Accelerate's even_batches) and drops the padding when it gathers (gather_for_metrics). With --lr 0
+both evaluate the weights they start from, rank 0's (DDP broadcasts them), so both must print the
+count one process gets with those weights. The negative control gathers with the padding kept.
+"""
+import pytest
+import torch
+
+from conftest import EVAL_PAIRS, ROOT, TORCHRUN, assert_clear_error, assert_ran, run_as_user
+from test_lessons import bert_correct, printed_correct
+
+CH4 = ROOT / "src" / "ch4"
+CRASH = ROOT / "tests" / "crash.py"
+
+
+def run(script, tiny_bert, nli_pairs, *flags, crash=None, processes=3):
+    wrapper = [CRASH, crash] if crash else []
+    return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", *wrapper, CH4 / script, "--model", tiny_bert,
+                       "--dataset", nli_pairs, "--batch-size", "12", "--precision", "fp32", "--dist-timeout", "60",
+                       *flags, timeout=240)
+
+
+def rank0_initial_weights(tiny_bert):
+    from transformers import AutoModelForSequenceClassification
+    torch.manual_seed(0)  # what rank 0 (seed 0 + rank 0) builds, and DDP broadcasts
+    return [p.detach() for p in AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=3).parameters()]
+
+
+@pytest.fixture(scope="module")
+def untrained_counts(tiny_bert, nli_pairs):
+    counts = {}
+    for script in ("ddp.py", "nli_trainer.py"):
+        result = run(script, tiny_bert, nli_pairs, "--lr", "0", "--max-steps", "2")
+        assert_ran(result, f"over {EVAL_PAIRS} pairs")
+        counts[script] = printed_correct(result.stdout, EVAL_PAIRS, "pairs")
+    return counts
+
+
+def test_the_trainer_counts_every_pair_once_as_ddp_py_does(untrained_counts, tiny_bert, nli_pairs):
+    expected = bert_correct(tiny_bert, nli_pairs, rank0_initial_weights(tiny_bert))
+    assert untrained_counts == {"ddp.py": expected, "nli_trainer.py": expected}
+
+
+def test_gathered_with_its_padding_the_count_is_wrong(tiny_bert, nli_pairs):
+    result = run("nli_trainer.py", tiny_bert, nli_pairs, "--lr", "0", "--max-steps", "2", crash="keep-eval-padding")
+    assert_ran(result, "eval accuracy")
+    assert f"over {EVAL_PAIRS} pairs" not in result.stdout  # seen: over 192, each rank's batch padded to 64 rows
+
+
+def test_trains_with_ddp_pys_loss_and_steps(tiny_bert, nli_pairs):
+    result = run("nli_trainer.py", tiny_bert, nli_pairs, "--max-steps", "4")
+    assert_ran(result, "3 processes on cpu, fp32, global batch 12 = 3 x 4", "4 steps, rank 0's mean training loss 1.",
+               f"over {EVAL_PAIRS} pairs")  # a loss near ln 3 = 1.10, not 3 x that (average_tokens_across_devices)
+
+
+def test_deepspeed_on_the_cpu_is_refused_in_one_sentence(tiny_bert, nli_pairs, tmp_path):
+    config = tmp_path / "zero3.json"
+    config.write_text('{"zero_optimization": {"stage": 3}}')
+    result = run("nli_trainer.py", tiny_bert, nli_pairs, "--deepspeed", config, processes=1)
+    assert_clear_error(result, "--deepspeed needs GPUs")
