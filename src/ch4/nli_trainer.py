@@ -10,9 +10,9 @@ What changes from ddp.py:
   - the Trainer starts the process group itself (Accelerate, under torchrun's variables);
   - evaluate() pads the last batches so that every rank runs as many (Accelerate's even_batches),
     gathers the predictions and drops the padding (gather_for_metrics): every pair counted once;
-  - --deepspeed CONFIG hands the Trainer a DeepSpeed ZeRO config, on GPUs. On a CPU the Trainer
-    would drop it without a word (use_cpu makes Accelerate ignore the DeepSpeed plugin) and train
-    plain DDP: the script refuses instead (src/ch4/sharded/nli_deepspeed.py runs DeepSpeed on the CPU).
+  - --deepspeed CONFIG hands the Trainer a DeepSpeed ZeRO config ("auto" values filled from these
+    settings: src/ch4/deepspeed_configs/zero3.json), and the Trainer trains with DeepSpeed's engine
+    instead of DDP, on GPUs and on the CPU alike (DeepSpeed's CPU accelerator, gloo).
 
 Run from the repository root (the defaults download bert-base-cased and MultiNLI from the hub):
     torchrun --nproc_per_node=4 src/ch4/nli_trainer.py                    # 4 GPUs, global batch 32 = 4 x 8
@@ -21,8 +21,6 @@ Run from the repository root (the defaults download bert-base-cased and MultiNLI
 
 Lines marked `# STEP` are what this step changes in ddp.py.
 """
-import sys  # STEP
-
 import numpy as np  # STEP
 import torch
 import torch.distributed as dist
@@ -44,9 +42,6 @@ def main(args):
     launch = require_launcher("src/ch4/nli_trainer.py")  # STEP
     device = device_for(launch)
     precision = resolve_precision(args.precision, device)
-    if args.deepspeed and device.type == "cpu":  # STEP
-        sys.exit("error: --deepspeed needs GPUs: on the CPU the Trainer ignores the DeepSpeed config and trains plain "  # STEP
-                 "DDP; run src/ch4/sharded/nli_deepspeed.py for DeepSpeed on the CPU.")  # STEP
     torch.manual_seed(args.seed + launch.rank)
 
     model, tokenizer = load_model_and_tokenizer(args.model)
@@ -70,6 +65,8 @@ def main(args):
     result = trainer.train()  # STEP: process group, DDP wrap, sampler, autocast, clipping, schedule, steps
     print0(f"{result.global_step} steps, rank 0's mean training loss {result.training_loss:.4f}, "  # STEP
            f"learning rate {trainer.lr_scheduler.get_last_lr()[0]:.3e}")  # STEP
+    if trainer.is_deepspeed_enabled:  # STEP
+        print0(f"trained by DeepSpeed's engine, ZeRO stage {trainer.model_wrapped.zero_optimization_stage()}")  # STEP
     metrics = trainer.evaluate()  # STEP: every pair once, gathered to every rank
     print0(f"train time {result.metrics['train_runtime']:.1f} s, {result.global_step / result.metrics['train_runtime']:.2f} steps/s, "  # STEP
            f"{result.global_step * args.batch_size / result.metrics['train_runtime']:.1f} samples/s")  # STEP
@@ -80,6 +77,6 @@ def main(args):
 
 if __name__ == "__main__":
     parser = nli_parser(__doc__)  # STEP
-    parser.add_argument("--deepspeed", metavar="JSON", help="a DeepSpeed ZeRO config for the Trainer (GPUs only)")  # STEP
+    parser.add_argument("--deepspeed", metavar="JSON", help="a DeepSpeed ZeRO config for the Trainer to train with")  # STEP
     parser.add_argument("--output-dir", default="checkpoints/nli-trainer", help="the Trainer's output folder")  # STEP
     main(parser.parse_args())  # STEP
