@@ -11,6 +11,7 @@ the inputs are scaled so that two steps' gradient norms exceed 1, and the weight
 """
 import copy
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.spawn import run_in_process_group
+from common.spawn import free_port, run_in_process_group
 from common.zero import ZeRO
 from conftest import PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_clear_error, assert_ran, run_as_user
 from test_lessons import one_process_correct
@@ -160,3 +161,55 @@ def test_a_killed_run_resumes_bitwise_from_the_engines_checkpoint(uninterrupted,
     resumed = checkpoint_tensors(tmp_path)
     same = len(resumed) == len(uninterrupted) and all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted))
     assert same == bitwise
+
+
+def test_deepspeeds_own_launcher_runs_the_rung(tiny_mnist, tmp_path):
+    launcher = [str(Path(PYTHON).with_name("deepspeed")), "--num_gpus", "3"]  # on a CPU it counts NUMA nodes unless told
+    result = run_as_user(*launcher, SHARDED / "mnist_deepspeed.py", "--data-dir", tiny_mnist, "--batch-size", "48",
+                         "--precision", "fp32", "--zero-stage", "1", "--checkpoint-dir", tmp_path, "--dist-timeout", "60",
+                         env_extra={"DS_ACCELERATOR": "cpu"}, timeout=240)  # it appends --local_rank=R, which the rung accepts
+    assert_ran(result, "3 processes on cpu, fp32, ZeRO stage 1, global batch 48 = 3 x 16", f"over {TEST_IMAGES} images")
+
+
+def one_process(*flags, env_extra=None, script="mnist_deepspeed.py", data=()):
+    """The rung as rank 0 of 1 under plain python, so that the error is the script's alone (torchrun adds its own traceback)."""
+    environment = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
+    return run_as_user(PYTHON, SHARDED / script, *data, *flags, env_extra=environment, timeout=120)
+
+
+def write_json(path, text):
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("case, phrase", [
+    ("fp16", "--precision fp16 needs a GPU"),
+    ("stage 4", "argument --zero-stage: invalid choice: 4"),
+    ("stage 4 in the file", "sets ZeRO stage 4; DeepSpeed has stages 0, 1, 2 and 3"),
+    ("two stages", "sets ZeRO stage 2 and --zero-stage says 3: keep one of the two"),
+    ("batch sizes", "train_batch_size 64, train_micro_batch_size_per_gpu 32, gradient_accumulation_steps 2, and "
+                    "--batch-size 48 on 1 processes is 48 per process"),
+    ("not JSON", "is not a readable JSON file"),
+    ("no deepspeed", "this script needs DeepSpeed, which is not installed: pip install -e '.[deepspeed]'"),
+])
+def test_bad_input_is_one_sentence_and_loses_nothing(tiny_mnist, tiny_bert, nli_pairs, tmp_path, case, phrase):
+    script = "nli_deepspeed.py" if case in ("batch sizes", "no deepspeed") else "mnist_deepspeed.py"  # one config code: both wire it
+    data = ["--data-dir", tiny_mnist, "--checkpoint-dir", tmp_path / "checkpoints"] if script.startswith("mnist") \
+        else ["--model", tiny_bert, "--dataset", nli_pairs]
+    flags = {"fp16": ["--precision", "fp16"],
+             "stage 4": ["--zero-stage", "4"],
+             "stage 4 in the file": ["--deepspeed-config", write_json(tmp_path / "stage4.json", '{"zero_optimization": {"stage": 4}}')],
+             "two stages": ["--zero-stage", "3", "--deepspeed-config", write_json(tmp_path / "stage2.json", '{"zero_optimization": {"stage": 2}}')],
+             "batch sizes": ["--deepspeed-config", write_json(tmp_path / "batch.json", '{"train_batch_size": 64, '
+                             '"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 2}')],
+             "not JSON": ["--deepspeed-config", write_json(tmp_path / "broken.json", "{stage: 3")],
+             "no deepspeed": []}[case]
+    blocked = tmp_path / "blocked" / "deepspeed"
+    if case == "no deepspeed":  # a package named deepspeed, first on the path, that cannot be imported
+        blocked.mkdir(parents=True)
+        (blocked / "__init__.py").write_text("raise ImportError('blocked by the test')\n")
+    result = one_process("--batch-size", "48", *flags, script=script, data=data,
+                         env_extra={"PYTHONPATH": f"{blocked.parent}:{ROOT}"} if case == "no deepspeed" else None)
+    assert_clear_error(result, phrase)
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())  # nothing written
