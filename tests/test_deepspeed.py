@@ -10,6 +10,7 @@ negative control is DeepSpeed's own default: without "gradient_clipping": 0 the 
 the inputs are scaled so that two steps' gradient norms exceed 1, and the weights end 8e-4 apart.
 """
 import copy
+import json
 import re
 from pathlib import Path
 
@@ -213,3 +214,26 @@ def test_bad_input_is_one_sentence_and_loses_nothing(tiny_mnist, tiny_bert, nli_
                          env_extra={"PYTHONPATH": f"{blocked.parent}:{ROOT}"} if case == "no deepspeed" else None)
     assert_clear_error(result, phrase)
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())  # nothing written
+
+
+@pytest.fixture(scope="module")
+def memory_rows(tiny_bert, tmp_path_factory):
+    rows = tmp_path_factory.mktemp("deepspeed-memory") / "rows.json"
+    result = run_as_user(PYTHON, ROOT / "benchmarks" / "deepspeed_memory.py", "--model", tiny_bert, "--world-size", "3",
+                         "--steps", "1", "--json", rows, timeout=240)
+    assert_ran(result, "DeepSpeed ZeRO, 3 processes, bf16")
+    return json.loads(rows.read_text())
+
+
+def test_each_stage_holds_the_optimizer_state_and_parameters_the_plan_says(memory_rows):
+    psi, rows = memory_rows["params"], {row["stage"]: row for row in memory_rows["rows"]}
+    for stage, row in rows.items():
+        (params, _, optimizer), (plan_params, _, plan_optimizer) = row["held"], row["plan"]
+        assert plan_optimizer <= optimizer < plan_optimizer + 12 * 64 * 3  # 12 bytes a number; padding to N per piece
+        if stage < 3:
+            assert plan_params == 2 * psi <= params < plan_params + 64  # bf16, whole on every rank (a flat buffer, aligned)
+        else:  # its own pieces, and whole every parameter under 100,000 numbers (all of the tiny BERT's)
+            assert plan_params <= params <= 2 * psi + plan_params + 2 * 64 * 3
+        assert (row["estimate"] is None) == (stage < 2)  # DeepSpeed has no estimator for stages 0 and 1
+    control = rows[0]["held"][2], rows[1]["plan"][2]  # the check can fail: stage 0's AdamW state is not ZeRO-1's
+    assert not control[1] <= control[0] < control[1] + 12 * 64 * 3
