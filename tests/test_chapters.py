@@ -28,7 +28,9 @@ STEPS = [*zip(MNIST_LADDER, MNIST_LADDER[1:]),  # each script is one step from t
          ("mnist_3_ddp.py", "scale_out/mnist_comm_hooks.py"),  # fewer bytes per step: a DDP communication hook
          ("mnist_3_ddp.py", "scale_out/mnist_diloco.py"),  # fewer steps that communicate: local SGD and DiLoCo
          ("mnist_3_ddp.py", "fault_tolerant/mnist_3_ddp_ft.py"),  # replica groups that heal from a live peer
-         ("sharded/mnist_fsdp.py", "fault_tolerant/mnist_fsdp_ft.py")]  # the same, each group an FSDP2 job
+         ("sharded/mnist_fsdp.py", "fault_tolerant/mnist_fsdp_ft.py"),  # the same, each group an FSDP2 job
+         ("sharded/mnist_fsdp.py", "sharded/mnist_deepspeed.py"), ("sharded/nli_fsdp.py", "sharded/nli_deepspeed.py"),  # DeepSpeed's engine
+         ("ddp.py", "nli_trainer.py")]  # the Trainer takes over ddp.py's loops
 BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py"]
 # Not rungs: each program of the debugging gallery holds one bug and, behind --fixed, its fix
 # (tests/test_debugging.py runs both).
@@ -58,6 +60,51 @@ DELETIONS = {  # unmarked lines of the earlier script that a step deletes on pur
     # FSDP2 compiles each block on its own (compile_in_place), not the wrapped model
     ("ddp.py", "sharded/nli_fsdp.py"): [COMPILE_IMPORT],
     # Accelerate compiles through its own launch config (dynamo_backend), not the flag
+    ("sharded/mnist_fsdp.py", "sharded/mnist_deepspeed.py"): [  # the engine (the Trainer) does these
+        'optimizer.zero_grad(set_to_none=True)',
+        'scaler.update()'],
+    ("sharded/nli_fsdp.py", "sharded/nli_deepspeed.py"): [  # the engine (the Trainer) does these
+        'optimizer.zero_grad(set_to_none=True)',
+        'scaler.unscale_(optimizer)  # fp16: the true gradients, so that the norm is measured on them',
+        'nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)  # the total norm of the whole averaged gradient',
+        'if optimizer_step(optimizer, scaler):  # False where fp16 loss scaling skipped the step',
+        'args.max_grad_norm, total_steps - steps_done, progress)'],
+    ("ddp.py", "nli_trainer.py"): [  # the engine (the Trainer) does these
+        'import torch.nn as nn',
+        'from tqdm.auto import tqdm',
+        'from common.compile import add_compile_flag, compiled',
+        'def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, max_grad_norm, steps_left, progress):',
+        '"""One pass over this process\'s share of the pairs, or fewer if steps_left runs out first."""',
+        'model.train()',
+        'loss_sum = torch.zeros((), device=device)',
+        'steps = 0',
+        'for batch in loader:',
+        'if steps == steps_left:',
+        'break',
+        'batch = to_device(batch, device)',
+        'labels = batch.pop("labels")',
+        'with autocast(device, precision):',
+        'optimizer.zero_grad(set_to_none=True)',
+        'scaler.scale(loss).backward()',
+        'scaler.unscale_(optimizer)  # fp16: the true gradients, so that the norm is measured on them',
+        'nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)  # the total norm of the whole averaged gradient',
+        'if optimizer_step(optimizer, scaler):  # False where fp16 loss scaling skipped the step',
+        'scheduler.step()',
+        'loss_sum += loss.detach()',
+        'steps += 1',
+        'progress.update()',
+        'return loss_sum.item() / max(steps, 1), steps',
+        '@torch.no_grad()',
+        'def evaluate(model, loader, device, precision):',
+        'model.eval()',
+        'correct = seen = 0',
+        'predictions = model(**batch).logits.argmax(dim=-1)',
+        'seen += labels.numel()',
+        'for epoch in range(args.epochs):',
+        'loss, steps = train_epoch(model, train_loader, optimizer, scheduler, scaler, device, precision,',
+        'args.max_grad_norm, total_steps - steps_done, progress)',
+        'train_seconds += time.perf_counter() - start',
+        'steps_done += steps'],
     ("ddp.py", "nli_accelerate.py"): [
         COMPILE_IMPORT, COMPILE_LINE, "model = model.to(device)",
         "scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)",
@@ -251,8 +298,8 @@ def test_the_readme_is_a_map():
 
 # ---- the change shown inline on each chapter page is the script's own text ----
 
-CHAPTER_PAGES = ["mnist.md", "bert.md", "inside_ddp.md", "resume.md", "fault_tolerant.md", "sharded.md", "lightning.md", "hsdp.md", "compression.md",
-                 "compile.md"]
+CHAPTER_PAGES = ["mnist.md", "bert.md", "inside_ddp.md", "resume.md", "fault_tolerant.md", "sharded.md", "deepspeed.md", "lightning.md",
+                 "hsdp.md", "compression.md", "compile.md"]
 EXCERPT = re.compile(r'^```(?:python|bash) title="([^"]+)"\n(.*?)^```$', re.MULTILINE | re.DOTALL)
 PAGES = sorted(path.name for path in (ROOT / "docs").glob("*.md"))
 GAP = "..."  # a line of its own in an excerpt: lines of the script left out here

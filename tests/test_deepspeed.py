@@ -237,3 +237,12 @@ def test_each_stage_holds_the_optimizer_state_and_parameters_the_plan_says(memor
         assert (row["estimate"] is None) == (stage < 2)  # DeepSpeed has no estimator for stages 0 and 1
     control = rows[0]["held"][2], rows[1]["plan"][2]  # the check can fail: stage 0's AdamW state is not ZeRO-1's
     assert not control[1] <= control[0] < control[1] + 12 * 64 * 3
+
+
+def test_the_accelerate_zero_3_config_on_a_cpu_is_one_sentence(tiny_bert, nli_pairs):
+    accelerate = str(Path(PYTHON).with_name("accelerate"))
+    result = run_as_user(accelerate, "launch", "--config_file", ROOT / "src" / "ch4" / "accelerate_configs" / "deepspeed_zero3_gpus.yaml",
+                         "--num_processes", "2", ROOT / "src" / "ch4" / "nli_accelerate.py", "--model", tiny_bert,
+                         "--dataset", nli_pairs, "--batch-size", "12", env_extra={"CUDA_VISIBLE_DEVICES": ""}, timeout=180)
+    assert result.returncode != 0 and "error: this Accelerate config asks for DeepSpeed" in result.stderr, result.stderr[-3000:]
+    assert "]: Traceback" not in result.stderr  # the launcher's own summary aside, no worker traceback

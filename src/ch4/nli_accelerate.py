@@ -19,6 +19,8 @@ The CPU trap of mnist_4_accelerate.py applies: --cpu --num_processes 2 starts ON
 
 Lines marked `# STEP` are what this step changes in ddp.py.
 """
+import os  # STEP
+import sys  # STEP
 import time
 
 import torch
@@ -77,6 +79,9 @@ def training_function(args):  # STEP: what notebook_launcher runs in each proces
     # STEP: device_for stops with one sentence if this node has more processes than GPUs
     accelerator = Accelerator(cpu=device_for(detect_launch()).type == "cpu", mixed_precision=accelerate_mixed_precision(args.precision))  # STEP
     device = accelerator.device  # STEP
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and accelerator.state.deepspeed_plugin is None:  # STEP: cpu=True drops it
+        sys.exit("error: this Accelerate config asks for DeepSpeed, which Accelerate runs on GPUs only (on the CPU it would "  # STEP
+                 "train plain DDP without a word): run src/ch4/sharded/nli_deepspeed.py for DeepSpeed on the CPU.")  # STEP
     if device.type == "cpu" and accelerator.num_processes > 1:  # STEP: as torchrun's OMP_NUM_THREADS=1, and a must when
         torch.set_num_threads(1)  # STEP: notebook_launcher forks a kernel whose OpenMP threads the child lacks (it would hang)
     # STEP: every rank builds the same classifier head: under DDP prepare() would copy rank 0's weights to all,
