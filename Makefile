@@ -36,15 +36,17 @@ gpu-check: $(VENV)/.installed
 # A GPU machine with no package index: its own python3 as it is (no venv, the project on PYTHONPATH, nothing
 # installed), plus from .gpu/wheels only what it lacks (pip --no-index --no-deps into .gpu/site): tools/gpu_offline.py.
 # make gpu-wheels, on a machine with the index, downloads those wheels for the GPU machine's Python (GPU_PYTHON_VERSION):
-# datasets and the two of its needs a GPU image usually lacks, and torchft with its opentelemetry packages, about
-# 3.7 MB. Carry .gpu/wheels and DATA_DIR along.
+# datasets and the two of its needs a GPU image usually lacks, torchft with its opentelemetry packages, and
+# DeepSpeed (built from its sdist) with its needs, about 9 MB. Carry .gpu/wheels and DATA_DIR along.
 GPU_PYTHON ?= python3
 GPU_PYTHON_VERSION ?= 3.12
 GPU_WHEELS ?= .gpu/wheels
 GPU_WHEEL_SPECS ?= datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 torchft==0.2.0 opentelemetry-api==1.45.2 \
 	opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 opentelemetry-proto==1.45.2 \
 	opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
-	opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-exporter-http-transport==0.66b2 googleapis-common-protos==1.76.0
+	opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-exporter-http-transport==0.66b2 googleapis-common-protos==1.76.0 \
+	hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 py-cpuinfo==9.0.0 einops==0.8.2 pydantic==2.14.4 pydantic-core==2.50.5 \
+	annotated-types==0.8.0 typing-inspection==0.4.5 psutil==7.2.2
 GPU_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
 
 .PHONY: gpu-check-offline gpu-wheels
@@ -55,6 +57,7 @@ gpu-check-offline:
 gpu-wheels:
 	$(PYTHON) -m pip download --no-deps --only-binary=:all: --implementation cp --python-version $(GPU_PYTHON_VERSION) \
 		$(GPU_PLATFORMS) -d $(GPU_WHEELS) $(GPU_WHEEL_SPECS)
+	$(PYTHON) -m pip wheel --no-deps -w $(GPU_WHEELS) deepspeed==0.19.8  # an sdist: built here, pure Python
 
 benchmark: $(VENV)/.installed
 	$(BIN)/python benchmarks/mnist_speed.py --data-dir $(DATA_DIR) --plot docs/images/mnist_speed_cpu.png

@@ -112,6 +112,36 @@ def test_mnist_fsdp_on_gpu_nccl(run_command, tiny_mnist):
     assert_ran(result, "1 process on cuda", f"over {TEST_IMAGES} images")
 
 
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="needs DeepSpeed: pip install -e '.[deepspeed]' (make gpu-wheels carries it)")
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])  # 16-bit weights in the engine; fp16 with DeepSpeed's loss scaler
+@pytest.mark.parametrize("stage", [0, 3])
+def test_mnist_deepspeed_on_gpu_nccl(run_command, tiny_mnist, tmp_path, stage, precision):
+    result = run_command(*ONE_PROCESS, SHARDED / "mnist_deepspeed.py", "--data-dir", tiny_mnist, "--zero-stage", str(stage),
+                         "--precision", precision, "--checkpoint-dir", tmp_path, env_extra=ON_GPU)
+    assert_ran(result, f"1 process on cuda, {precision}, ZeRO stage {stage}", f"over {TEST_IMAGES} images")
+
+
+@needs_deepspeed
+@needs_datasets
+def test_nli_deepspeed_on_gpu_nccl(run_command, tiny_bert, nli_pairs):
+    result = run_command(*ONE_PROCESS, SHARDED / "nli_deepspeed.py", *bert_flags(tiny_bert, nli_pairs), "--zero-stage", "2",
+                         env_extra=ON_GPU)
+    assert_ran(result, "1 process on cuda", "ZeRO stage 2", f"over {EVAL_PAIRS} pairs")
+
+
+@needs_datasets
+@pytest.mark.parametrize("deepspeed", [False, pytest.param(True, marks=needs_deepspeed)])
+def test_nli_trainer_on_gpu(run_command, tiny_bert, nli_pairs, tmp_path, deepspeed):
+    flags = ["--deepspeed", CH4 / "deepspeed_configs" / "zero3.json"] if deepspeed else []
+    result = run_command(*ONE_PROCESS, CH4 / "nli_trainer.py", *bert_flags(tiny_bert, nli_pairs), "--output-dir", tmp_path,
+                         *flags, env_extra=ON_GPU)
+    assert_ran(result, "1 process on cuda", f"over {EVAL_PAIRS} pairs", *(["ZeRO stage 3"] if deepspeed else []))
+
+
 @needs_datasets
 def test_nli_fsdp_on_gpu_nccl(run_command, tiny_bert, nli_pairs):
     result = run_command(*ONE_PROCESS, SHARDED / "nli_fsdp.py", *bert_flags(tiny_bert, nli_pairs), env_extra=ON_GPU)

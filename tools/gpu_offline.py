@@ -9,9 +9,10 @@ by git, like .gpu/wheels). Then tools/gpu_check.py, with the arguments after `--
 The check needs the core dependencies (torch, torchvision, transformers, accelerate, lightning, tqdm) and
 pytest with pytest-xdist and pytest-timeout: without one of them, and without its wheel, it stops with one
 sentence. Its rows import no `datasets`; tests/test_gpu.py's BERT tests do (common/nli.py reads the pairs
-with it), and its fault-tolerant tests import torchft, so a machine without them needs the wheels that
-`make gpu-wheels` downloads on a machine with the index: datasets, dill and multiprocess, torchft and its
-opentelemetry packages, about 4.2 MB for Python 3.12 (datasets' other needs, pyarrow and
+with it), its fault-tolerant tests import torchft and its DeepSpeed tests deepspeed, so a machine without them
+needs the wheels that `make gpu-wheels` downloads (and, for DeepSpeed, an sdist, builds) on a machine with the
+index: datasets, dill and multiprocess, torchft and its opentelemetry packages, DeepSpeed and its needs, about
+9 MB for Python 3.12 (datasets' other needs, pyarrow and
 pandas among them, come with a usual GPU image; where one is missing, its wheel goes into .gpu/wheels too).
 """
 import argparse
@@ -28,7 +29,7 @@ WHEELS, SITE = ROOT / ".gpu" / "wheels", ROOT / ".gpu" / "site"
 CORE = {"torch": "torch", "torchvision": "torchvision", "transformers": "transformers", "accelerate": "accelerate",
         "lightning": "lightning", "tqdm": "tqdm", "pyyaml": "yaml", "pytest": "pytest", "pytest-xdist": "xdist",
         "pytest-timeout": "pytest_timeout"}
-FOR_GPU_TESTS = {  # what tests/test_gpu.py's BERT tests (datasets) and fault-tolerant tests (torchft) import
+FOR_GPU_TESTS = {  # what tests/test_gpu.py's BERT tests (datasets), fault-tolerant tests (torchft) and DeepSpeed tests import
     "datasets": "datasets", "dill": "dill", "multiprocess": "multiprocess",
     "torchft": "torchft", "opentelemetry-api": "opentelemetry.trace", "opentelemetry-sdk": "opentelemetry.sdk",
     "opentelemetry-semantic-conventions": "opentelemetry.semconv", "opentelemetry-proto": "opentelemetry.proto",
@@ -36,7 +37,10 @@ FOR_GPU_TESTS = {  # what tests/test_gpu.py's BERT tests (datasets) and fault-to
     "opentelemetry-exporter-otlp-proto-common": "opentelemetry.exporter.otlp.proto.common",
     "opentelemetry-exporter-otlp-common": "opentelemetry.exporter.otlp.common",
     "opentelemetry-exporter-http-transport": "opentelemetry.exporter.http.transport",
-    "googleapis-common-protos": "google.api"}
+    "googleapis-common-protos": "google.api",
+    "deepspeed": "deepspeed", "hjson": "hjson", "msgpack": "msgpack", "ninja": "ninja", "py-cpuinfo": "cpuinfo",
+    "einops": "einops", "pydantic": "pydantic", "pydantic-core": "pydantic_core", "annotated-types": "annotated_types",
+    "typing-inspection": "typing_inspection", "psutil": "psutil"}
 
 
 def wheel_for(distribution: str, wheels: list[Path]) -> Path | None:
@@ -87,7 +91,7 @@ def main(argv=None):
                  f"with the index).")
     if warn:
         print(f"warning: no {', '.join(warn)} here nor in {args.wheels}: the tests of tests/test_gpu.py that need them skip "
-              f"(BERT: datasets; the fault-tolerant rungs: torchft); "
+              f"(BERT: datasets; the fault-tolerant rungs: torchft; the DeepSpeed rungs: deepspeed); "
               f"`make gpu-wheels` on a machine with the index downloads the wheels.", flush=True)
     if args.dry_run:
         return

@@ -18,9 +18,9 @@ What changes from mnist_fsdp.py:
   - with --precision bf16 or fp16 the engine holds 16-bit weights; autocast still casts the images.
 
 Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
-    torchrun --nproc_per_node=3 src/ch4/sharded/mnist_deepspeed.py --zero-stage 2    # 3 GPUs, or 3 CPU processes (gloo)
-    deepspeed --num_gpus 3 src/ch4/sharded/mnist_deepspeed.py --zero-stage 2         # DeepSpeed's own launcher
-    DS_ACCELERATOR=cpu deepspeed --num_gpus 3 src/ch4/sharded/mnist_deepspeed.py     # ... on the CPU
+    torchrun --nproc_per_node=2 src/ch4/sharded/mnist_deepspeed.py --zero-stage 2    # 2 GPUs, or 2 CPU processes (gloo)
+    deepspeed --num_gpus 4 src/ch4/sharded/mnist_deepspeed.py --zero-stage 3         # DeepSpeed's own launcher, 4 GPUs
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 src/ch4/sharded/mnist_deepspeed.py     # ... on the CPU, 2 processes
 Needs DeepSpeed: pip install -e '.[deepspeed]'. On a CPU torchrun sets OMP_NUM_THREADS=1 per process.
 
 Lines marked `# STEP` are what this step changes in mnist_fsdp.py.
