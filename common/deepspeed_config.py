@@ -8,13 +8,17 @@ rules surprise a reader coming from DDP, and this module states each once:
   - gradient_clipping defaults to 1.0 (DeepSpeed 0.19), where DDP clips nothing: the rungs always pass
     it, 0 (off) for MNIST and --max-grad-norm for BERT, so that each stage trains DDP's weights;
   - "bf16" and "fp16" make the engine hold 16-bit parameters with fp32 masters in the optimizer, and
-    fp16 adds DeepSpeed's own loss scaling (no GradScaler). The CPU has no fp16: common.precision refuses it.
+    fp16 adds DeepSpeed's own loss scaling (no GradScaler). The engine's forward turns an autocast around
+    it off, so floating-point inputs must come in the weights' dtype (input_dtype). The CPU has no fp16:
+    common.precision refuses it.
 """
 import argparse
 import json
 import shutil
 import sys
 from pathlib import Path
+
+import torch
 
 STAGES = (0, 1, 2, 3)
 DEFAULT_STAGE = 3
@@ -71,6 +75,11 @@ def deepspeed_config(args, world_size: int, precision: str, max_grad_norm: float
                  f"and --batch-size {args.batch_size} on {world_size} processes is {args.batch_size // world_size} "
                  "per process, one micro-batch a step: leave the batch sizes out of the file, or make them say so.")
     return config
+
+
+def input_dtype(precision: str) -> torch.dtype:
+    """The dtype of the engine's weights, which its floating-point inputs must have."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
 def read_config(path: Path) -> dict:

@@ -60,16 +60,18 @@ DELETIONS = {  # unmarked lines of the earlier script that a step deletes on pur
     # FSDP2 compiles each block on its own (compile_in_place), not the wrapped model
     ("ddp.py", "sharded/nli_fsdp.py"): [COMPILE_IMPORT],
     # Accelerate compiles through its own launch config (dynamo_backend), not the flag
-    ("sharded/mnist_fsdp.py", "sharded/mnist_deepspeed.py"): [  # the engine (the Trainer) does these
+    ("sharded/mnist_fsdp.py", "sharded/mnist_deepspeed.py"): [  # the engine (the Trainer) does these; DeepSpeed's forward turns autocast off
+        'with autocast(device, precision):',
         'optimizer.zero_grad(set_to_none=True)',
         'scaler.update()'],
-    ("sharded/nli_fsdp.py", "sharded/nli_deepspeed.py"): [  # the engine (the Trainer) does these
+    ("sharded/nli_fsdp.py", "sharded/nli_deepspeed.py"): [  # the engine (the Trainer) does these; DeepSpeed's forward turns autocast off
+        'with autocast(device, precision):',
         'optimizer.zero_grad(set_to_none=True)',
         'scaler.unscale_(optimizer)  # fp16: the true gradients, so that the norm is measured on them',
         'nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)  # the total norm of the whole averaged gradient',
         'if optimizer_step(optimizer, scaler):  # False where fp16 loss scaling skipped the step',
         'args.max_grad_norm, total_steps - steps_done, progress)'],
-    ("ddp.py", "nli_trainer.py"): [  # the engine (the Trainer) does these
+    ("ddp.py", "nli_trainer.py"): [  # the engine (the Trainer) does these; DeepSpeed's forward turns autocast off
         'import torch.nn as nn',
         'from tqdm.auto import tqdm',
         'from common.compile import add_compile_flag, compiled',

@@ -15,7 +15,8 @@ What changes from mnist_fsdp.py:
     --checkpoint-every steps; client_state carries the position and every rank's random state, and
     a rerun of the same command resumes from the newest (bitwise, docs/deepspeed.md). The trained
     weights go to DIR/final.pt, gathered in full (stage 3 holds only pieces);
-  - with --precision bf16 or fp16 the engine holds 16-bit weights; autocast still casts the images.
+  - with --precision bf16 or fp16 the engine holds 16-bit weights, and its forward turns autocast
+    off: the images are cast to the weights' dtype instead.
 
 Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
     torchrun --nproc_per_node=2 src/ch4/sharded/mnist_deepspeed.py --zero-stage 2    # 2 GPUs, or 2 CPU processes (gloo)
@@ -38,27 +39,26 @@ from common.checkpoint import Position, rng_state, set_rng_state, write_atomical
 from common.cli import add_checkpoint_flags  # STEP
 from common.cli import mnist_parser
 from common.cli import per_process_batch
-from common.deepspeed_config import add_deepspeed_flags, deepspeed_config, remove_old_checkpoints, require_deepspeed  # STEP
+from common.deepspeed_config import add_deepspeed_flags, deepspeed_config, input_dtype, remove_old_checkpoints, require_deepspeed  # STEP
 from common.distributed import device_for, init_process_group, print0, processes, require_launcher
 from common.distributed import exit_process
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, make_loader
-from common.precision import autocast, resolve_precision  # STEP
+from common.precision import resolve_precision  # STEP
 from common.samplers import DistributedEvalSampler
 from common.samplers import ResumableDistributedSampler  # STEP
 
 deepspeed = require_deepspeed()  # STEP: import deepspeed, or one sentence on how to install it
 
 
-def train_epoch(engine, loader, device, precision, position, args):  # STEP
+def train_epoch(engine, loader, device, dtype, position, args):  # STEP
     """One pass over this process's share of the training set; returns the mean training loss."""
     engine.train()  # STEP
     loss_sum = torch.zeros((), device=device)
     for images, labels in loader:
-        images = images.to(device, memory_format=torch.channels_last, non_blocking=True)
+        images = images.to(device, dtype, memory_format=torch.channels_last, non_blocking=True)  # STEP: the weights' dtype
         labels = labels.to(device, non_blocking=True)
-        with autocast(device, precision):
-            loss = F.nll_loss(engine(images), labels)  # STEP
+        loss = F.nll_loss(engine(images), labels)  # STEP: no autocast: the engine's forward turns it off
         engine.backward(loss)  # STEP: fp16 loss scaling; stages 2-3 reduce-scatter each gradient as backward makes it
         engine.step()  # STEP: average (stage 0-1), clip if configured, AdamW on this rank's shard, zero the gradients
         loss_sum += loss.detach()
@@ -78,15 +78,14 @@ def save_checkpoint(engine, folder, position, device):  # STEP
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, precision, unpadded):
+def evaluate(model, loader, device, dtype, unpadded):  # STEP
     """Count correct predictions and images seen among this rank's first `unpadded` images."""
     model.eval()
     correct = seen = 0
     for images, labels in loader:
-        images = images.to(device, memory_format=torch.channels_last, non_blocking=True)
+        images = images.to(device, dtype, memory_format=torch.channels_last, non_blocking=True)  # STEP
         labels = labels.to(device, non_blocking=True)
-        with autocast(device, precision):
-            predictions = model(images).argmax(dim=1)
+        predictions = model(images).argmax(dim=1)  # STEP
         keep = min(labels.numel(), unpadded - seen)
         correct += (predictions[:keep] == labels[:keep]).sum().item()
         seen += keep
@@ -128,7 +127,7 @@ def main():
     for epoch in range(position.epoch, args.epochs):  # STEP
         train_sampler.set_epoch(epoch, position.samples_done)  # STEP: the same shuffle, from the global cursor on
         start = time.perf_counter()
-        loss = train_epoch(engine, train_loader, device, precision, position, args)  # STEP
+        loss = train_epoch(engine, train_loader, device, input_dtype(precision), position, args)  # STEP
         train_seconds += time.perf_counter() - start
         loss = sum_across_ranks(loss, device=device)[0] / launch.world_size
         print0(f"epoch {epoch}: mean training loss {loss:.4f}")
@@ -139,7 +138,7 @@ def main():
             write_atomically({k: v.float().cpu() for k, v in engine.module.state_dict().items()}, final)  # STEP
     print0(f"final weights in {final}")  # STEP
 
-    correct, seen = evaluate(engine, test_loader, device, precision, unpadded)  # STEP: stage 3: every rank runs every forward
+    correct, seen = evaluate(engine, test_loader, device, input_dtype(precision), unpadded)  # STEP: stage 3: every rank runs every forward
     correct, seen = sum_across_ranks(correct, seen, device=device)
     print0(f"train time {train_seconds:.1f} s, {(position.step - first_step) * args.batch_size / max(train_seconds, 1e-9):.0f} samples/s")  # STEP: this run's
     print0(f"test accuracy {correct / seen:.2%} over {seen} images")

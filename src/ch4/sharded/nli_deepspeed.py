@@ -10,7 +10,8 @@ changes from nli_fsdp.py:
     starts every rank from rank 0's weights (no broadcast) and shards per the stage (no wrap);
   - engine.backward(loss) and engine.step() replace the scaler, the clipping, optimizer_step and
     scheduler.step(): the engine steps the schedule itself, and not after an fp16 step it skipped;
-  - with --precision bf16 or fp16 the engine holds 16-bit weights and fp32 masters.
+  - with --precision bf16 or fp16 the engine holds 16-bit weights and fp32 masters, and its forward
+    turns autocast off: no autocast around it (the token ids need no cast; the loss is taken in fp32).
 Evaluation is nli_fsdp.py's: at stage 3 every forward all-gathers, so every rank runs the same batches.
 
 Run from the repository root (the defaults download bert-base-cased and MultiNLI from the hub):
@@ -36,13 +37,13 @@ from common.distributed import device_for, init_process_group, print0, processes
 from common.distributed import exit_process
 from common.gather import sum_across_ranks
 from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
-from common.precision import autocast, resolve_precision  # STEP
+from common.precision import resolve_precision  # STEP
 from common.samplers import DistributedEvalSampler
 
 deepspeed = require_deepspeed()  # STEP: import deepspeed, or one sentence on how to install it
 
 
-def train_epoch(engine, loader, device, precision, steps_left, progress):  # STEP
+def train_epoch(engine, loader, device, steps_left, progress):  # STEP
     """One pass over this process's share of the pairs, or fewer if steps_left runs out first."""
     engine.train()  # STEP
     loss_sum = torch.zeros((), device=device)
@@ -52,8 +53,7 @@ def train_epoch(engine, loader, device, precision, steps_left, progress):  # STE
             break
         batch = to_device(batch, device)
         labels = batch.pop("labels")
-        with autocast(device, precision):
-            loss = nn.functional.cross_entropy(engine(**batch).logits, labels)  # STEP
+        loss = nn.functional.cross_entropy(engine(**batch).logits.float(), labels)  # STEP: no autocast: the engine's forward turns it off
         engine.backward(loss)  # STEP: fp16 loss scaling; stages 2-3 reduce-scatter each gradient as backward makes it
         engine.step()  # STEP: unscale, clip the whole gradient to --max-grad-norm, AdamW on this rank's shard, the schedule
         loss_sum += loss.detach()
@@ -63,15 +63,14 @@ def train_epoch(engine, loader, device, precision, steps_left, progress):  # STE
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, precision, unpadded):
+def evaluate(model, loader, device, unpadded):  # STEP
     """Count correct predictions and pairs seen among this rank's first `unpadded` pairs."""
     model.eval()
     correct = seen = 0
     for batch in loader:
         batch = to_device(batch, device)
         labels = batch.pop("labels")
-        with autocast(device, precision):
-            predictions = model(**batch).logits.argmax(dim=-1)
+        predictions = model(**batch).logits.argmax(dim=-1)  # STEP
         keep = min(labels.numel(), unpadded - seen)
         correct += (predictions[:keep] == labels[:keep]).sum().item()
         seen += keep
@@ -108,14 +107,14 @@ def main(args):
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)
         start = time.perf_counter()
-        loss, steps = train_epoch(engine, train_loader, device, precision, total_steps - steps_done, progress)  # STEP
+        loss, steps = train_epoch(engine, train_loader, device, total_steps - steps_done, progress)  # STEP
         train_seconds += time.perf_counter() - start
         steps_done += steps
         loss = sum_across_ranks(loss, device=device)[0] / launch.world_size
         print0(f"epoch {epoch}: mean training loss {loss:.4f}, learning rate {scheduler.get_last_lr()[0]:.3e}")
     progress.close()
 
-    correct, seen = evaluate(engine, eval_loader, device, precision, unpadded)  # STEP: stage 3: every rank runs every forward
+    correct, seen = evaluate(engine, eval_loader, device, unpadded)  # STEP: stage 3: every rank runs every forward
     correct, seen = sum_across_ranks(correct, seen, device=device)
     print0(f"train time {train_seconds:.1f} s, {steps_done / train_seconds:.2f} steps/s, "
            f"{steps_done * args.batch_size / train_seconds:.1f} samples/s")
