@@ -1,4 +1,4 @@
-"""DeepSpeed's ZeRO stages train what DDP and common/zero.py train, and its rungs run, resume and refuse as the page says.
+"""DeepSpeed's ZeRO stages train what DDP and common/zero.py train, hold what the plan says, and refuse bad input.
 
 The equality runs in real gloo groups of 2 and 3 processes: each rank starts from its own weights
 (the engine must copy rank 0's, as DDP does), feeds its own batches, and after STEPS AdamW steps
@@ -11,20 +11,19 @@ the inputs are scaled so that two steps' gradient norms exceed 1, and the weight
 """
 import copy
 import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.spawn import free_port, run_in_process_group
+from common.distributed import free_port
+from common.spawn import run_in_process_group
 from common.zero import ZeRO
-from conftest import PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_clear_error, assert_ran, run_as_user
-from test_lessons import one_process_correct
+from conftest import PYTHON, ROOT, assert_clear_error, assert_ran, run_as_user
+from test_zero import adamw, small_model
+from test_zero import batch_for as zero_batch_for
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is the [deepspeed] extra: pip install -e '.[deepspeed]'")
 
@@ -32,20 +31,12 @@ STEPS = 5
 STAGES = (0, 1, 2, 3)
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 SHARDED = ROOT / "src" / "ch4" / "sharded"
-CRASH = ROOT / "tests" / "crash.py"
-
-
-def small_model():
-    return nn.Sequential(nn.Linear(7, 4), nn.ReLU(), nn.LayerNorm(4), nn.Linear(4, 3))  # 32, 8 and 15 numbers
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2)
 
 
 def batch_for(rank, step):
-    generator = torch.Generator().manual_seed(100 * step + rank)  # each rank its own data, new each step
-    return 5 * torch.randn(5, 7, generator=generator), torch.randint(0, 3, (5,), generator=generator)
+    """test_zero.py's batches, scaled so that some gradient norms exceed DeepSpeed's default clipping of 1.0."""
+    inputs, labels = zero_batch_for(rank, step)
+    return 5 * inputs, labels
 
 
 def train_beside_ddp(rank, world_size, stage, config_extra):
@@ -100,76 +91,6 @@ def test_deepspeeds_default_clipping_breaks_the_equality(every_stage_run):
     result = every_stage_run["default clipping"]
     gap = max((a - b).abs().max().item() for a, b in zip(result["deepspeed"], result["ddp"]))
     assert gap > 100 * TOLERANCE["atol"], gap
-
-
-def run_rung(*flags, processes=3, launcher=TORCHRUN, crash=None, timeout=240, env_extra=None):
-    script = [CRASH, crash, SHARDED / "mnist_deepspeed.py"] if crash else [SHARDED / "mnist_deepspeed.py"]
-    return run_as_user(*launcher, f"--nproc_per_node={processes}", *script, *flags, "--dist-timeout", "60",
-                       env_extra=env_extra, timeout=timeout)
-
-
-def final_weights(folder):
-    return list(torch.load(folder / "final.pt", weights_only=True).values())
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_each_stage_of_the_rung_counts_every_test_image_once(tiny_mnist, tmp_path, stage):
-    result = run_rung("--data-dir", tiny_mnist, "--batch-size", "48", "--precision", "fp32", "--zero-stage", str(stage),
-                      "--checkpoint-dir", tmp_path)
-    assert_ran(result, f"ZeRO stage {stage}, global batch 48 = 3 x 16", f"final weights in {tmp_path / 'final.pt'}")
-    printed = round(float(re.search(rf"accuracy ([\d.]+)% over {TEST_IMAGES} images", result.stdout).group(1)) * TEST_IMAGES / 100)
-    assert printed == one_process_correct(final_weights(tmp_path), tiny_mnist)
-
-
-def resumable(folder, data, crash="none", restarts=1):
-    """2 epochs of 6 steps (192 images, global batch 33 = 3 x 11), a checkpoint every 4 steps, ZeRO-3."""
-    return run_rung("--data-dir", data, "--batch-size", "33", "--epochs", "2", "--precision", "fp32", "--zero-stage", "3",
-                    "--checkpoint-dir", folder, "--checkpoint-every", "4", crash=crash,
-                    launcher=[*TORCHRUN, f"--max-restarts={restarts}"], env_extra={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-
-
-def checkpoint_tensors(folder) -> list[torch.Tensor]:
-    """final.pt, the fp32 masters of the newest checkpoint as DeepSpeed's zero_to_fp32 puts them back together,
-    and every other tensor of it (every rank's file: AdamW's moments, the loss scaler). The masters' flat
-    partitions themselves are left out: ZeRO-3 pads each parameter's piece to a multiple of the world size
-    and never writes the padding, so it holds whatever the memory held (seen: 1e-43 in one run, -2e27 in
-    the other, at the same places, every real number equal)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from test_resume import tensors_in
-    newest = folder / (folder / "latest").read_text().strip()
-    tensors = final_weights(folder) + list(get_fp32_state_dict_from_zero_checkpoint(str(folder)).values())
-    for path in sorted(newest.glob("*.pt")):
-        state = torch.load(path, weights_only=False)
-        state.pop("rng", None)  # client_state: each rank's random state, not tensors of the model
-        state.get("optimizer_state_dict", {}).pop("fp32_flat_groups", None)
-        tensors += tensors_in(state)
-    return tensors
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tiny_mnist, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("deepspeed-uninterrupted")
-    assert_ran(resumable(folder, tiny_mnist), "over 101 images")
-    return checkpoint_tensors(folder)
-
-
-@pytest.mark.parametrize("crash, bitwise", [("kill-rank1-after-step10", True),
-                                            ("kill-rank1-after-step10,forget-rng", False)])  # the control: dropout masks differ
-def test_a_killed_run_resumes_bitwise_from_the_engines_checkpoint(uninterrupted, tiny_mnist, tmp_path, crash, bitwise):
-    result = resumable(tmp_path, tiny_mnist, crash)
-    assert_ran(result, "resumed at step 8: epoch 1, 66 samples into it", "over 101 images")
-    assert sorted(path.name for path in tmp_path.glob("step-*")) == ["step-12", "step-8"]  # resumed from step 8
-    resumed = checkpoint_tensors(tmp_path)
-    same = len(resumed) == len(uninterrupted) and all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted))
-    assert same == bitwise
-
-
-def test_deepspeeds_own_launcher_runs_the_rung(tiny_mnist, tmp_path):
-    launcher = [str(Path(PYTHON).with_name("deepspeed")), "--num_gpus", "3"]  # on a CPU it counts NUMA nodes unless told
-    result = run_as_user(*launcher, SHARDED / "mnist_deepspeed.py", "--data-dir", tiny_mnist, "--batch-size", "48",
-                         "--precision", "fp32", "--zero-stage", "1", "--checkpoint-dir", tmp_path, "--dist-timeout", "60",
-                         env_extra={"DS_ACCELERATOR": "cpu"}, timeout=240)  # it appends --local_rank=R, which the rung accepts
-    assert_ran(result, "3 processes on cpu, fp32, ZeRO stage 1, global batch 48 = 3 x 16", f"over {TEST_IMAGES} images")
 
 
 def one_process(*flags, env_extra=None, script="mnist_deepspeed.py", data=()):

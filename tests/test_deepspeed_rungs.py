@@ -1,0 +1,98 @@
+"""The DeepSpeed rungs run as docs/deepspeed.md says: each ZeRO stage at 3 processes counts every test image
+once, DeepSpeed's own launcher runs them, and a SIGKILLed run resumes bitwise from the engine's checkpoint.
+
+The resume: 2 epochs of 6 steps on the tiny MNIST under ZeRO-3, a checkpoint every 4 steps, rank 1
+SIGKILLed after step 10; torchrun restarts the workers, which resume from step 8. The negative control
+resumes without the random state (tests/crash.py forget-rng): the dropout masks differ, so do the weights.
+"""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import EVAL_PAIRS, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran, run_as_user
+from test_lessons import one_process_correct
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is the [deepspeed] extra: pip install -e '.[deepspeed]'")
+
+STAGES = (0, 1, 2, 3)
+SHARDED = ROOT / "src" / "ch4" / "sharded"
+CRASH = ROOT / "tests" / "crash.py"
+
+
+def run_rung(*flags, processes=3, launcher=TORCHRUN, crash=None, timeout=240, env_extra=None):
+    script = [CRASH, crash, SHARDED / "mnist_deepspeed.py"] if crash else [SHARDED / "mnist_deepspeed.py"]
+    return run_as_user(*launcher, f"--nproc_per_node={processes}", *script, *flags, "--dist-timeout", "60",
+                       env_extra=env_extra, timeout=timeout)
+
+
+def final_weights(folder):
+    return list(torch.load(folder / "final.pt", weights_only=True).values())
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_stage_of_the_rung_counts_every_test_image_once(tiny_mnist, tmp_path, stage):
+    result = run_rung("--data-dir", tiny_mnist, "--batch-size", "48", "--precision", "fp32", "--zero-stage", str(stage),
+                      "--checkpoint-dir", tmp_path)
+    assert_ran(result, f"ZeRO stage {stage}, global batch 48 = 3 x 16", f"final weights in {tmp_path / 'final.pt'}")
+    printed = round(float(re.search(rf"accuracy ([\d.]+)% over {TEST_IMAGES} images", result.stdout).group(1)) * TEST_IMAGES / 100)
+    assert printed == one_process_correct(final_weights(tmp_path), tiny_mnist)
+
+
+def resumable(folder, data, crash="none", restarts=1):
+    """2 epochs of 6 steps (192 images, global batch 33 = 3 x 11), a checkpoint every 4 steps, ZeRO-3."""
+    return run_rung("--data-dir", data, "--batch-size", "33", "--epochs", "2", "--precision", "fp32", "--zero-stage", "3",
+                    "--checkpoint-dir", folder, "--checkpoint-every", "4", crash=crash,
+                    launcher=[*TORCHRUN, f"--max-restarts={restarts}"], env_extra={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+
+
+def checkpoint_tensors(folder) -> list[torch.Tensor]:
+    """final.pt, the fp32 masters of the newest checkpoint as DeepSpeed's zero_to_fp32 puts them back together,
+    and every other tensor of it (every rank's file: AdamW's moments, the loss scaler). The masters' flat
+    partitions themselves are left out: ZeRO-3 pads each parameter's piece to a multiple of the world size
+    and never writes the padding, so it holds whatever the memory held (seen: 1e-43 in one run, -2e27 in
+    the other, at the same places, every real number equal)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from test_resume import tensors_in
+    newest = folder / (folder / "latest").read_text().strip()
+    tensors = final_weights(folder) + list(get_fp32_state_dict_from_zero_checkpoint(str(folder)).values())
+    for path in sorted(newest.glob("*.pt")):
+        state = torch.load(path, weights_only=False)
+        state.pop("rng", None)  # client_state: each rank's random state, not tensors of the model
+        state.get("optimizer_state_dict", {}).pop("fp32_flat_groups", None)
+        tensors += tensors_in(state)
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_mnist, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepspeed-uninterrupted")
+    assert_ran(resumable(folder, tiny_mnist), "over 101 images")
+    return checkpoint_tensors(folder)
+
+
+@pytest.mark.parametrize("crash, bitwise", [("kill-rank1-after-step10", True),
+                                            ("kill-rank1-after-step10,forget-rng", False)])  # the control: dropout masks differ
+def test_a_killed_run_resumes_bitwise_from_the_engines_checkpoint(uninterrupted, tiny_mnist, tmp_path, crash, bitwise):
+    result = resumable(tmp_path, tiny_mnist, crash)
+    assert_ran(result, "resumed at step 8: epoch 1, 66 samples into it", "over 101 images")
+    assert sorted(path.name for path in tmp_path.glob("step-*")) == ["step-12", "step-8"]  # resumed from step 8
+    resumed = checkpoint_tensors(tmp_path)
+    same = len(resumed) == len(uninterrupted) and all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted))
+    assert same == bitwise
+
+
+def test_deepspeeds_own_launcher_runs_the_rung(tiny_mnist, tmp_path):
+    launcher = [str(Path(PYTHON).with_name("deepspeed")), "--num_gpus", "3"]  # on a CPU it counts NUMA nodes unless told
+    result = run_as_user(*launcher, SHARDED / "mnist_deepspeed.py", "--data-dir", tiny_mnist, "--batch-size", "48",
+                         "--precision", "fp32", "--zero-stage", "1", "--checkpoint-dir", tmp_path, "--dist-timeout", "60",
+                         env_extra={"DS_ACCELERATOR": "cpu"}, timeout=240)  # it appends --local_rank=R, which the rung accepts
+    assert_ran(result, "3 processes on cpu, fp32, ZeRO stage 1, global batch 48 = 3 x 16", f"over {TEST_IMAGES} images")
+
+
+def test_the_bert_rung_trains_and_counts_every_pair_once(tiny_bert, nli_pairs):
+    result = run_as_user(*TORCHRUN, "--nproc_per_node=3", SHARDED / "nli_deepspeed.py", "--model", tiny_bert, "--dataset",
+                         nli_pairs, "--max-steps", "4", "--batch-size", "12", "--zero-stage", "3", "--precision", "fp32",
+                         "--dist-timeout", "60", timeout=240)
+    assert_ran(result, "ZeRO stage 3, global batch 12 = 3 x 4", f"over {EVAL_PAIRS} pairs")
