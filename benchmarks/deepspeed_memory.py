@@ -13,7 +13,9 @@ assume) or --precision fp32. Rank 0 reports what the engine holds, by storage, e
   - optimizer: AdamW's state and the fp32 masters the engine steps (ZeRO's flat partitions).
 Beside them: common.plan.memory_bytes for the same stage, Ψ and N, and DeepSpeed's estimators
 (estimate_zero2_model_states_mem_needs for stage 2, estimate_zero3_model_states_mem_needs for stage 3,
-without offload; DeepSpeed has none for stages 0 and 1). Sizes in MiB (2**20 bytes).
+without offload, with the largest layer counted as DeepSpeed's own *_all_live does: the module with
+the most parameters of its own, here the word embeddings; DeepSpeed has none for stages 0 and 1).
+Sizes in MiB (2**20 bytes).
 
     python benchmarks/deepspeed_memory.py --model path/to/bert --world-size 3
 """
@@ -52,7 +54,7 @@ def held(rank, world_size, model_folder, stage, precision, steps):
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(model_folder, num_labels=3))
     params = sum(p.numel() for p in model.parameters())
-    largest = max(sum(p.numel() for p in block.parameters()) for block in model.modules() if type(block).__name__.endswith("Layer"))
+    largest = max(sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules())  # as DeepSpeed's model_to_params
     config = {"train_batch_size": 4 * world_size, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"}, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5), config=config)

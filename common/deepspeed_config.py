@@ -92,6 +92,19 @@ def read_config(path: Path) -> dict:
     return config
 
 
+def refuse_another_world_size(folder: str | Path, world_size: int) -> None:
+    """Stop with one sentence where the newest checkpoint was written at another world size: its shards
+    (one file per rank at stages 1-3) and its random states (one per rank) belong to the ranks that wrote them."""
+    newest = Path(folder) / (Path(folder) / "latest").read_text().strip()
+    writers = len(list(newest.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt")))
+    if not writers and (newest / "mp_rank_00_model_states.pt").exists():  # stage 0: the whole model, one file
+        writers = len(torch.load(newest / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["rng"])
+    if writers != world_size:
+        sys.exit(f"error: {newest} was written by {writers} processes and this run has {world_size}: a DeepSpeed "
+                 f"checkpoint resumes at the world size that wrote it (python {Path(folder) / 'zero_to_fp32.py'} "
+                 "turns it into whole weights to start from elsewhere).")
+
+
 def remove_old_checkpoints(folder: str | Path, keep: int = KEEP) -> None:
     """Keep the newest `keep` step-N folders (rank 0 calls this after a save has completed everywhere)."""
     steps = sorted((path for path in Path(folder).glob("step-*") if path.name[5:].isdigit()),

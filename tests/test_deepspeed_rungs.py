@@ -6,6 +6,7 @@ SIGKILLed after step 10; torchrun restarts the workers, which resume from step 8
 resumes without the random state (tests/crash.py forget-rng): the dropout masks differ, so do the weights.
 """
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,7 @@ def checkpoint_tensors(folder) -> list[torch.Tensor]:
 def uninterrupted(tiny_mnist, tmp_path_factory):
     folder = tmp_path_factory.mktemp("deepspeed-uninterrupted")
     assert_ran(resumable(folder, tiny_mnist), "over 101 images")
-    return checkpoint_tensors(folder)
+    return folder, checkpoint_tensors(folder)
 
 
 @pytest.mark.parametrize("crash, bitwise", [("kill-rank1-after-step10", True),
@@ -78,9 +79,20 @@ def test_a_killed_run_resumes_bitwise_from_the_engines_checkpoint(uninterrupted,
     result = resumable(tmp_path, tiny_mnist, crash)
     assert_ran(result, "resumed at step 8: epoch 1, 66 samples into it", "over 101 images")
     assert sorted(path.name for path in tmp_path.glob("step-*")) == ["step-12", "step-8"]  # resumed from step 8
-    resumed = checkpoint_tensors(tmp_path)
-    same = len(resumed) == len(uninterrupted) and all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted))
+    resumed, expected = checkpoint_tensors(tmp_path), uninterrupted[1]
+    same = len(resumed) == len(expected) and all(torch.equal(a, b) for a, b in zip(resumed, expected))
     assert same == bitwise
+
+
+def test_a_checkpoint_of_another_world_size_is_refused_and_kept(uninterrupted, tiny_mnist, tmp_path):
+    folder = tmp_path / "checkpoints"
+    shutil.copytree(uninterrupted[0], folder)
+    before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+    result = run_rung("--data-dir", tiny_mnist, "--batch-size", "33", "--epochs", "3", "--precision", "fp32",
+                      "--checkpoint-dir", folder, processes=1)
+    assert result.returncode != 0 and "step-12 was written by 3 processes and this run has 1" in result.stderr, result.stderr[-2000:]
+    assert "]: Traceback" not in result.stderr  # torchrun's own summary aside
+    assert {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()} == before  # nothing lost
 
 
 def test_deepspeeds_own_launcher_runs_the_rung(tiny_mnist, tmp_path):

@@ -9,11 +9,12 @@ What changes from mnist_fsdp.py:
   - deepspeed.initialize wraps the model and AdamW in one engine, which shards per the stage and
     starts every rank from rank 0's weights, as DDP does: no broadcast, no per-layer wrap;
   - engine.backward(loss) and engine.step() replace backward, the scaler and optimizer.step(): the
-    engine scales an fp16 loss itself, averages the gradients (reduce-scatters them at stages 1-3),
-    steps AdamW on this rank's shard and zeroes the gradients;
+    engine scales an fp16 loss itself and averages the gradients in backward (at stages 2-3 piece by
+    piece, each rank keeping its shard), then steps AdamW on this rank's shard and zeroes the gradients;
   - the engine's own checkpoint: every rank writes its shards into DIR/step-N/ every
-    --checkpoint-every steps; client_state carries the position and every rank's random state, and
-    a rerun of the same command resumes from the newest (bitwise, docs/deepspeed.md). The trained
+    --checkpoint-every steps; client_state carries the position and every rank's random state
+    (gathered: at stages 0-2 only rank 0's file keeps it), and a rerun of the same command resumes
+    from the newest (bitwise, docs/deepspeed.md), at the world size that wrote it. The trained
     weights go to DIR/final.pt, gathered in full (stage 3 holds only pieces);
   - with --precision bf16 or fp16 the engine holds 16-bit weights, and its forward turns autocast
     off: the images are cast to the weights' dtype instead.
@@ -39,7 +40,8 @@ from common.checkpoint import Position, rng_state, set_rng_state, write_atomical
 from common.cli import add_checkpoint_flags  # STEP
 from common.cli import mnist_parser
 from common.cli import per_process_batch
-from common.deepspeed_config import add_deepspeed_flags, deepspeed_config, input_dtype, remove_old_checkpoints, require_deepspeed  # STEP
+from common.deepspeed_config import add_deepspeed_flags, deepspeed_config, input_dtype, require_deepspeed  # STEP
+from common.deepspeed_config import refuse_another_world_size, remove_old_checkpoints  # STEP
 from common.distributed import device_for, init_process_group, print0, processes, require_launcher
 from common.distributed import exit_process
 from common.gather import sum_across_ranks
@@ -59,8 +61,8 @@ def train_epoch(engine, loader, device, dtype, position, args):  # STEP
         images = images.to(device, dtype, memory_format=torch.channels_last, non_blocking=True)  # STEP: the weights' dtype
         labels = labels.to(device, non_blocking=True)
         loss = F.nll_loss(engine(images), labels)  # STEP: no autocast: the engine's forward turns it off
-        engine.backward(loss)  # STEP: fp16 loss scaling; stages 2-3 reduce-scatter each gradient as backward makes it
-        engine.step()  # STEP: average (stage 0-1), clip if configured, AdamW on this rank's shard, zero the gradients
+        engine.backward(loss)  # STEP: fp16 loss scaling; averages the gradients (stages 2-3: as backward makes each)
+        engine.step()  # STEP: clip if configured, AdamW on this rank's shard, gather (stages 1-2), zero the gradients
         loss_sum += loss.detach()
         position.advance(loader.sampler.global_batch, len(loader.dataset))  # STEP: the samples all ranks trained on
         if position.step % args.checkpoint_every == 0:  # STEP
@@ -69,7 +71,7 @@ def train_epoch(engine, loader, device, dtype, position, args):  # STEP
 
 
 def save_checkpoint(engine, folder, position, device):  # STEP
-    """The engine writes its own checkpoint, every rank its shards; client_state rides in rank 0's file."""  # STEP
+    """The engine writes its own checkpoint, every rank its shards; client_state rides in rank 0's file (stage 3: every rank's)."""  # STEP
     every_rng = [None] * dist.get_world_size()  # STEP
     dist.all_gather_object(every_rng, rng_state(device))  # STEP: each rank's dropout masks go on as they would have
     engine.save_checkpoint(folder, tag=f"step-{position.step}", client_state={"position": asdict(position), "rng": every_rng})  # STEP
@@ -114,6 +116,7 @@ def main():
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)  # STEP: rank 0's weights, sharded per the stage
     client_state = None  # STEP
     if (Path(args.checkpoint_dir) / "latest").exists():  # STEP: DeepSpeed's file naming the newest tag
+        refuse_another_world_size(args.checkpoint_dir, launch.world_size)  # STEP: one file of shards per rank
         _, client_state = engine.load_checkpoint(args.checkpoint_dir)  # STEP: every rank reads its shards
     position = Position(**client_state["position"]) if client_state else Position()  # STEP
     if client_state:  # STEP

@@ -54,7 +54,7 @@ def train_epoch(engine, loader, device, steps_left, progress):  # STEP
         batch = to_device(batch, device)
         labels = batch.pop("labels")
         loss = nn.functional.cross_entropy(engine(**batch).logits.float(), labels)  # STEP: no autocast: the engine's forward turns it off
-        engine.backward(loss)  # STEP: fp16 loss scaling; stages 2-3 reduce-scatter each gradient as backward makes it
+        engine.backward(loss)  # STEP: fp16 loss scaling; averages the gradients (stages 2-3: as backward makes each)
         engine.step()  # STEP: unscale, clip the whole gradient to --max-grad-norm, AdamW on this rank's shard, the schedule
         loss_sum += loss.detach()
         steps += 1
