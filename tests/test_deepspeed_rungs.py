@@ -1,5 +1,6 @@
-"""The DeepSpeed rungs run as docs/deepspeed.md says: each ZeRO stage at 3 processes counts every test image
-once, DeepSpeed's own launcher runs them, and a SIGKILLed run resumes bitwise from the engine's checkpoint.
+"""The DeepSpeed rungs run as docs/deepspeed.md says, at 3 processes: the MNIST rung counts every test image once
+(stages 0 and 3; 1 under DeepSpeed's own launcher), the BERT rung trains (stage 2), and a SIGKILLed ZeRO-3 run
+resumes bitwise from the engine's checkpoint.
 
 The resume: 2 epochs of 6 steps on the tiny MNIST under ZeRO-3, a checkpoint every 4 steps, rank 1
 SIGKILLed after step 10; torchrun restarts the workers, which resume from step 8. The negative control
@@ -17,7 +18,6 @@ from test_lessons import one_process_correct
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is the [deepspeed] extra: pip install -e '.[deepspeed]'")
 
-STAGES = (0, 1, 2, 3)
 SHARDED = ROOT / "src" / "ch4" / "sharded"
 CRASH = ROOT / "tests" / "crash.py"
 
@@ -32,8 +32,8 @@ def final_weights(folder):
     return list(torch.load(folder / "final.pt", weights_only=True).values())
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_each_stage_of_the_rung_counts_every_test_image_once(tiny_mnist, tmp_path, stage):
+@pytest.mark.parametrize("stage", [0, 3])  # the two ends; stage 1 runs under DeepSpeed's launcher below, 2 in the BERT rung
+def test_the_rung_counts_every_test_image_once(tiny_mnist, tmp_path, stage):
     result = run_rung("--data-dir", tiny_mnist, "--batch-size", "48", "--precision", "fp32", "--zero-stage", str(stage),
                       "--checkpoint-dir", tmp_path)
     assert_ran(result, f"ZeRO stage {stage}, global batch 48 = 3 x 16", f"final weights in {tmp_path / 'final.pt'}")
@@ -105,6 +105,6 @@ def test_deepspeeds_own_launcher_runs_the_rung(tiny_mnist, tmp_path):
 
 def test_the_bert_rung_trains_and_counts_every_pair_once(tiny_bert, nli_pairs):
     result = run_as_user(*TORCHRUN, "--nproc_per_node=3", SHARDED / "nli_deepspeed.py", "--model", tiny_bert, "--dataset",
-                         nli_pairs, "--max-steps", "4", "--batch-size", "12", "--zero-stage", "3", "--precision", "fp32",
+                         nli_pairs, "--max-steps", "4", "--batch-size", "12", "--zero-stage", "2", "--precision", "fp32",
                          "--dist-timeout", "60", timeout=240)
-    assert_ran(result, "ZeRO stage 3, global batch 12 = 3 x 4", f"over {EVAL_PAIRS} pairs")
+    assert_ran(result, "ZeRO stage 2, global batch 12 = 3 x 4", f"over {EVAL_PAIRS} pairs")
