@@ -32,7 +32,6 @@ from common.plan import memory_bytes
 from common.spawn import run_in_process_group
 
 MiB = 2**20
-KiB = 2**10
 PLAN = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 
 
@@ -69,7 +68,8 @@ def held(rank, world_size, model_folder, stage, precision, steps):
     base = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
     masters = [p for group in base.param_groups for p in group["params"]]  # ZeRO-1/2's flat fp32 partitions
     masters += getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])  # ZeRO-3 lends them to AdamW per step only
-    optimizer = optimizer_tensors(base) + [p for p in masters if p.untyped_storage()._cdata not in ids(module_params)]
+    in_module = ids(module_params)
+    optimizer = optimizer_tensors(base) + [p for p in masters if p.untyped_storage()._cdata not in in_module]
     others = ids([*module_params, *optimizer, *engine.module.buffers(), tokens, labels])
     gradients = storage_bytes(t for t in after_backward if t.untyped_storage()._cdata not in others)
     return {"params": params, "largest_layer": largest, "parameters": storage_bytes(module_params),

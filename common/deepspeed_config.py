@@ -14,16 +14,19 @@ rules surprise a reader coming from DDP, and this module states each once:
 """
 import argparse
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
 
 import torch
 
+from common.checkpoint import KEEP, checkpoints_in
+
 STAGES = (0, 1, 2, 3)
 DEFAULT_STAGE = 3
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-KEEP = 2  # checkpoints kept: DeepSpeed itself keeps every tag it saves
+TAG = re.compile(r"step-(\d+)")  # the rungs' checkpoint tags: DeepSpeed itself keeps every tag it saves
 
 
 def require_deepspeed():
@@ -107,7 +110,5 @@ def refuse_another_world_size(folder: str | Path, world_size: int) -> None:
 
 def remove_old_checkpoints(folder: str | Path, keep: int = KEEP) -> None:
     """Keep the newest `keep` step-N folders (rank 0 calls this after a save has completed everywhere)."""
-    steps = sorted((path for path in Path(folder).glob("step-*") if path.name[5:].isdigit()),
-                   key=lambda path: int(path.name[5:]), reverse=True)
-    for old in steps[keep:]:
+    for old in checkpoints_in(Path(folder), TAG)[keep:]:
         shutil.rmtree(old)

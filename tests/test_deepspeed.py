@@ -11,7 +11,6 @@ the inputs are scaled so that two steps' gradient norms exceed 1, and the weight
 """
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.distributed import free_port
 from common.spawn import run_in_process_group
 from common.zero import ZeRO
-from conftest import PYTHON, ROOT, assert_clear_error, assert_ran, run_as_user
+from conftest import ACCELERATE, PYTHON, ROOT, assert_clear_error, assert_ran, run_as_user
 from test_zero import adamw, small_model
 from test_zero import batch_for as zero_batch_for
 
@@ -161,8 +160,7 @@ def test_each_stage_holds_the_optimizer_state_and_parameters_the_plan_says(memor
 
 
 def test_the_accelerate_zero_3_config_on_a_cpu_is_one_sentence(tiny_bert, nli_pairs):
-    accelerate = str(Path(PYTHON).with_name("accelerate"))
-    result = run_as_user(accelerate, "launch", "--config_file", ROOT / "src" / "ch4" / "accelerate_configs" / "deepspeed_zero3_gpus.yaml",
+    result = run_as_user(*ACCELERATE, "--config_file", ROOT / "src" / "ch4" / "accelerate_configs" / "deepspeed_zero3_gpus.yaml",
                          "--num_processes", "2", ROOT / "src" / "ch4" / "nli_accelerate.py", "--model", tiny_bert,
                          "--dataset", nli_pairs, "--batch-size", "12", env_extra={"CUDA_VISIBLE_DEVICES": ""}, timeout=180)
     assert result.returncode != 0 and "error: this Accelerate config asks for DeepSpeed" in result.stderr, result.stderr[-3000:]
