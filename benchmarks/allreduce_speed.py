@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common.allreduce import ALGORITHMS, bytes_sent_per_rank
+from common.lessons.allreduce import ALGORITHMS, bytes_sent_per_rank
 from common.machine import machine_name
 from common.spawn import run_in_process_group
 

@@ -1,6 +1,6 @@
 """Step time of a 2-process training step against the gradient bucket size, over gloo.
 
-Compares BucketedDataParallel (common/bucketing.py) at several bucket_cap_mb values, including one
+Compares BucketedDataParallel (common/lessons/bucketing.py) at several bucket_cap_mb values, including one
 bucket all-reduced after backward (no overlap), with torch's DistributedDataParallel. The model is a
 stack of equal linear layers, so the gradients arrive in even steps through backward and overlap has
 something to hide. The configurations run one after the other in the same processes, each on a fresh
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.accumulation import count_all_reduces
-from common.bucketing import BucketedDataParallel, linear_stack
+from common.lessons.accumulation import count_all_reduces
+from common.lessons.bucketing import BucketedDataParallel, linear_stack
 from common.spawn import run_in_process_group
 from plotting import bar_chart, where_measured
 

@@ -1,4 +1,4 @@
-"""Memory per rank under DeepSpeed's ZeRO stages 0-3, beside common.plan and DeepSpeed's own estimators.
+"""Memory per rank under DeepSpeed's ZeRO stages 0-3, beside planner.plan and DeepSpeed's own estimators.
 
 It starts N gloo processes on this machine and trains a BERT sequence classifier (from the --model
 folder's config, random weights) for --steps steps under a DeepSpeed engine at each stage in turn, in
@@ -11,7 +11,7 @@ assume) or --precision fp32. Rank 0 reports what the engine holds, by storage, e
     optimizer's, the module's buffers and the batch: the gradients and the engine's buffers for
     them (ZeRO-2's and 3's reduce buckets among them), wherever the engine keeps them;
   - optimizer: AdamW's state and the fp32 masters the engine steps (ZeRO's flat partitions).
-Beside them: common.plan.memory_bytes for the same stage, Ψ and N, and DeepSpeed's estimators
+Beside them: planner.plan.memory_bytes for the same stage, Ψ and N, and DeepSpeed's estimators
 (estimate_zero2_model_states_mem_needs for stage 2, estimate_zero3_model_states_mem_needs for stage 3,
 without offload, with the largest layer counted as DeepSpeed's own *_all_live does: the module with
 the most parameters of its own, here the word embeddings; DeepSpeed has none for stages 0 and 1).
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from common.memory import optimizer_tensors, storage_bytes
-from common.plan import memory_bytes
+from planner.plan import memory_bytes
 from common.spawn import run_in_process_group
 
 MiB = 2**20
@@ -104,7 +104,7 @@ def main(argv=None):
     params = results[0]["params"]
     plan_precision = "mixed" if args.precision == "bf16" else "fp32"
     print(f"DeepSpeed ZeRO, {args.world_size} processes, {args.precision}: Ψ = {params:,} parameters; "
-          f"per rank, MiB (plan: common.plan {plan_precision})")
+          f"per rank, MiB (plan: planner.plan {plan_precision})")
     print(f"{'stage':>5} | {'params':>7} {'(plan)':>7} | {'grads':>7} {'(plan)':>7} | {'optim':>7} {'(plan)':>7} | "
           f"{'total':>7} {'(plan)':>7} | {'DeepSpeed estimate':>18}")
     rows = []

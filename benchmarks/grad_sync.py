@@ -2,7 +2,7 @@
 
 Reproduces the comparison in Accelerate's "gradient synchronization" guide on this machine, with
 gloo: 2 processes, 4 micro-batches per optimizer step, the MNIST BasicNet. The variants are in
-common/accumulation.py; they run one after the other in the same processes, each on a fresh model
+common/lessons/accumulation.py; they run one after the other in the same processes, each on a fresh model
 after 2 warm-up steps, and a DDP communication hook counts the bucket all-reduces.
 
     python benchmarks/grad_sync.py
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import accumulation
+from common.lessons import accumulation
 from common.mnist import BasicNet
 from common.spawn import run_in_process_group
 

@@ -1,4 +1,4 @@
-"""common.plan's predictions beside measurements on this machine: bytes per rank and time per step.
+"""planner.plan's predictions beside measurements on this machine: bytes per rank and time per step.
 
 For each world size N it starts N gloo processes and, in them,
   - measures the two inputs the plan needs for a CPU: the FLOP/s one process reaches in a matrix product
@@ -8,15 +8,15 @@ For each world size N it starts N gloo processes and, in them,
     The plan's MFU is calibrated on it (the step's FLOPs over that time, over the matrix product's
     FLOP/s): on a CPU most of a small model's step is not matrix products (layer norms, softmax, GELU,
     AdamW's update, Python), and one measured step says how much;
-  - trains a small BERT in fp32 under DDP, the repo's ZeRO-1/2/3 (common/zero.py) and FSDP2, with
+  - trains a small BERT in fp32 under DDP, the repo's ZeRO-1/2/3 (common/lessons/zero.py) and FSDP2, with
     benchmarks/sharded_memory.py's measure(): bytes of parameters, gradients and optimizer state on the
     busiest rank, and the median step time of the slowest rank;
-and prints each beside common.plan.plan() for the same Ψ, batch, sequence length and N, and the
+and prints each beside planner.plan.plan() for the same Ψ, batch, sequence length and N, and the
 collectives each strategy issues per step (the repo's ZeRO: one per module that has parameters). The repo's ZeRO calls its
 collectives synchronously, so nothing overlaps there; DDP and FSDP2 issue theirs asynchronously and get
-the plan's overlap rule. gloo's reduce-scatter is a whole all-reduce (common/zero.py), and the plan is
+the plan's overlap rule. gloo's reduce-scatter is a whole all-reduce (common/lessons/zero.py), and the plan is
 told so. It lives among the benchmarks because it starts processes and reuses sharded_memory.py;
-common.plan itself stays an instant calculator.
+planner.plan itself stays an instant calculator.
 
     python benchmarks/plan_check.py --plot docs/images/plan_check_cpu.png        # about 2 minutes of CPU time
 """
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from common.machine import machine_name
-from common.plan import GPU, Link, Model, model_of_config, plan, step_flops
+from planner.plan import GPU, Link, Model, model_of_config, plan, step_flops
 from common.spawn import run_in_process_group
 from sharded_memory import RUNS, measure
 
@@ -189,7 +189,7 @@ def main():
     from transformers import AutoModelForSequenceClassification
     print(table(rows, model_of_config(config, AutoModelForSequenceClassification).params))
     if args.plot:
-        plot(rows, args.plot, f"common.plan predicted vs measured, gloo processes on one {machine_name()}")
+        plot(rows, args.plot, f"planner.plan predicted vs measured, gloo processes on one {machine_name()}")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ the functions of common/. Every rank's numbers are printed beside the number one
 on the whole global batch (no process group):
   gradient clipping     the total gradient norm clip_grad_norm_ measures, under DDP (each rank's own
                         gradient, as inside no_sync, or the averaged one) and under ZeRO stage 2
-                        (common/zero.py: the shards' own norm, or ZeRO.clip_grad_norm_)
+                        (common/lessons/zero.py: the shards' own norm, or ZeRO.clip_grad_norm_)
   token-weighted loss   a tiny next-token model over 2 micro-batches of padded sequences of different
-                        lengths per rank (common/token_loss.py): the loss whose gradient DDP leaves,
+                        lengths per rank (common/lessons/token_loss.py): the loss whose gradient DDP leaves,
                         and how far that gradient is from one process's token-mean gradient
-  BatchNorm             BatchNormNet (common/batch_norm.py) after one training forward under DDP: the
+  BatchNorm             BatchNormNet (common/lessons/batch_norm.py) after one training forward under DDP: the
                         first norm's running mean (channel 0) and the output's distance from one
                         process's, with plain BatchNorm2d and with AllRanksBatchNorm2d
   printed loss          rank 0's own mean loss, and the mean over the ranks (common/gather.py)
@@ -28,11 +28,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.batch_norm import AllRanksBatchNorm2d, BatchNormNet
+from common.lessons.batch_norm import AllRanksBatchNorm2d, BatchNormNet
 from common.gather import sum_across_ranks
 from common.spawn import run_in_process_group
-from common.token_loss import accumulate, token_loss_sum
-from common.zero import ZeRO
+from common.lessons.token_loss import accumulate, token_loss_sum
+from common.lessons.zero import ZeRO
 
 PER_RANK = 4  # samples (or images) per rank
 MICRO_BATCHES, SEQUENCES, VOCAB = 2, 2, 16  # per rank: micro-batches of SEQUENCES padded sequences
@@ -82,7 +82,7 @@ def classifier():
 
 class NextToken(nn.Module):
     """The smallest next-token model: each token's embedding predicts the token after it. It returns
-    .logits, as a transformers causal language model does, for common/token_loss.py."""
+    .logits, as a transformers causal language model does, for common/lessons/token_loss.py."""
 
     def __init__(self):
         super().__init__()
@@ -195,7 +195,7 @@ def printed_losses(rank, world_size) -> dict:
 
 def on_each_rank(rank, world_size, reference) -> list[dict]:
     """This rank's numbers, wrong and right; every rank's, gathered."""
-    # common/zero.py's reduce_scatter_tensor warns on this torch that it is deprecated: not this page's lesson
+    # common/lessons/zero.py's reduce_scatter_tensor warns on this torch that it is deprecated: not this page's lesson
     warnings.filterwarnings("ignore", "`torch.distributed.reduce_scatter_tensor` is deprecated", FutureWarning)
     mine_now = {"clipping": clip_norms(rank, world_size),
                 "token_loss": token_losses(rank, world_size, reference["token_gradient"]),

@@ -1,4 +1,4 @@
-"""Memory per rank under DDP, ZeRO-1/2/3 (common/zero.py) and FSDP2, measured beside the ZeRO formula.
+"""Memory per rank under DDP, ZeRO-1/2/3 (common/lessons/zero.py) and FSDP2, measured beside the ZeRO formula.
 
 For each world size N it starts N gloo processes on this machine and trains a BERT sequence classifier
 (built from the --model folder's config, random weights: memory does not depend on their values) for
@@ -11,7 +11,7 @@ For each world size N it starts N gloo processes on this machine and trains a BE
     glibc's mmap threshold is fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_) so that a freed tensor goes
     back to the system at once and the peak follows live tensors, not the allocator's free lists;
   - the median step time, the slowest rank's, and its ratio to DDP's in the same run.
-The formula (ZeRO paper, fp32 with AdamW; common.plan.memory_bytes): 4Ψ parameters + 4Ψ gradients + 8Ψ optimizer state on every
+The formula (ZeRO paper, fp32 with AdamW; planner.plan.memory_bytes): 4Ψ parameters + 4Ψ gradients + 8Ψ optimizer state on every
 rank under DDP; ZeRO-1 divides the optimizer term by N, ZeRO-2 the gradients too, ZeRO-3 (and FSDP2)
 all three. (In mixed precision it is 2Ψ + 2Ψ + 12Ψ: bf16 weights and gradients, and an fp32 master
 copy with the two moments; these wrappers train in fp32.)
@@ -32,11 +32,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.fsdp import fully_shard_blocks
 from common.memory import optimizer_tensors, storage_bytes
-from common.plan import memory_bytes
+from planner.plan import memory_bytes
 from common.spawn import run_in_process_group
-from common.zero import ZeRO
+from common.lessons.zero import ZeRO
 
-RUNS = {"DDP": "ddp", "ZeRO-1": "zero1", "ZeRO-2": "zero2", "ZeRO-3": "zero3", "FSDP2": "fsdp"}  # -> common.plan's
+RUNS = {"DDP": "ddp", "ZeRO-1": "zero1", "ZeRO-2": "zero2", "ZeRO-3": "zero3", "FSDP2": "fsdp"}  # -> planner.plan's
 MiB, KiB = 2**20, 2**10  # the table's and the plot's units; /proc's VmRSS and VmHWM count KiB too
 
 

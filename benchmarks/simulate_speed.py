@@ -1,6 +1,6 @@
-"""How long `python -m common.simulate` takes, and how much host memory, for models no laptop could hold.
+"""How long `python -m planner.simulate` takes, and how much host memory, for models no laptop could hold.
 
-Each case is one `python -m common.simulate ... --json` process, timed from the outside; its peak
+Each case is one `python -m planner.simulate ... --json` process, timed from the outside; its peak
 resident set comes from the kernel (os.wait4's ru_maxrss, the child's own, in KiB on Linux). The 70 B
 case is Llama-shaped (80 layers, hidden 8192, MLP 28672, 64 heads, 8 KV heads, vocabulary 128,256, an
 untied head), written as a config.json here: nothing is downloaded.
@@ -39,7 +39,7 @@ def write_config(folder: Path, size: str) -> Path:
 
 def run_case(case: str, folder: Path, seq: int) -> dict:
     size, strategy, gpus, *recompute = case.split(":")
-    command = [sys.executable, "-m", "common.simulate", "--model", str(write_config(folder, size)), "--gpus", gpus,
+    command = [sys.executable, "-m", "planner.simulate", "--model", str(write_config(folder, size)), "--gpus", gpus,
                "--strategy", strategy, "--seq", str(seq), "--json", *(["--recompute"] if recompute else [])]
     began = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -79,7 +79,7 @@ def main():
     if args.plot:
         bar_chart({row["case"]: row["seconds"] for row in rows},
                   [f"{row['seconds']:.0f} s, {row['rss_gb']:.1f} GB host" for row in rows],
-                  "seconds for one simulated step (lower is better)", f"common.simulate, {where_measured()}", args.plot)
+                  "seconds for one simulated step (lower is better)", f"planner.simulate, {where_measured()}", args.plot)
 
 
 if __name__ == "__main__":

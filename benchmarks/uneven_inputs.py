@@ -3,13 +3,13 @@ process group's timeout; Join, and Accelerate's join_uneven_inputs, let every ra
 
     python benchmarks/uneven_inputs.py                 # 2 processes, 4 batches (rank 0: 5), 10 s timeout
 
-The three ways are in common/uneven.py; each runs in fresh gloo processes. Prints a table.
+The three ways are in common/lessons/uneven.py; each runs in fresh gloo processes. Prints a table.
 """
 import argparse
 
 from common.cli import positive_int
 from common.spawn import run_in_process_group
-from common.uneven import HOW, train_uneven
+from common.lessons.uneven import HOW, train_uneven
 
 
 def main():

@@ -2,8 +2,9 @@
 import argparse
 import sys
 
-from common.comm_hooks import HOOKS
 from common.precision import AUTO_HELP
+
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")  # common/lessons/comm_hooks.py registers each
 
 
 def positive_int(text: str) -> int:
@@ -72,7 +73,7 @@ def add_checkpoint_flags(parser: argparse.ArgumentParser, folder: str, every: in
 
 def add_comm_hook_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The compression rung's flags: which DDP communication hook, and PowerSGD's rank."""
-    parser.add_argument("--comm-hook", choices=HOOKS, default="none",
+    parser.add_argument("--comm-hook", choices=COMM_HOOKS, default="none",
                         help="none: fp32 gradients as DDP sends them; fp16, bf16: cast to 16 bits; powersgd: "
                              "low-rank factors of each weight's gradient (default: none)")
     parser.add_argument("--powersgd-rank", type=positive_int, default=1,

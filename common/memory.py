@@ -4,7 +4,7 @@ import torch
 
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind these tensors (views of one buffer count once; a DTensor by its
-    local piece). Keyed by the storage itself, not its address: fake tensors (common/simulate.py) have none."""
+    local piece). Keyed by the storage itself, not its address: fake tensors (planner/simulate.py) have none."""
     storages = {}
     for tensor in tensors:
         if tensor is not None:

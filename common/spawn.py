@@ -45,7 +45,7 @@ def run_in_process_group(worker, world_size: int, *args, timeout: float = 300):
         raise ValueError(f"{worker.__name__} is defined in a notebook (or an interactive session), and the "
                          f"processes run_in_process_group spawns cannot import it (in their stderr: Can't get "
                          f"attribute '{worker.__name__}' on <module '__main__'>): define it in a module and "
-                         "import it from there, as common/notebook_workers.py does.")
+                         "import it from there, as common/lessons/notebook_workers.py does.")
     with tempfile.TemporaryDirectory() as folder:
         result_path = Path(folder) / "rank0.pt"
         context = mp.start_processes(_entry, args=(worker, world_size, free_port(), str(result_path), args),

@@ -1,8 +1,8 @@
-"""Figure: which micro-batches all-reduce, for the four ways to accumulate gradients in common/accumulation.py.
+"""Figure: which micro-batches all-reduce, for the four ways to accumulate gradients in common/lessons/accumulation.py.
 
 Two gloo processes run one optimizer step of 4 micro-batches with each variant on BasicNet, wrapped
 in DDP (or prepared by Accelerate), after one warm-up backward that lets DDP rebuild its buckets.
-common.accumulation.count_all_reduces's communication hook records, for every bucket all-reduce,
+common.lessons.accumulation.count_all_reduces's communication hook records, for every bucket all-reduce,
 how many forward passes had run: the micro-batch it belongs to. tests/test_accumulation.py takes
 the same counts and checks the totals.
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import accumulation
+from common.lessons import accumulation
 from common.mnist import BasicNet
 from common.spawn import run_in_process_group
 from style import COLORS, IMAGES, parser, plt, save, stable_svg_style

@@ -1,10 +1,10 @@
-"""Figure: who sends what in the three all-reduces of common/allreduce.py, recorded from a real run.
+"""Figure: who sends what in the three all-reduces of common/lessons/allreduce.py, recorded from a real run.
 
-Four gloo processes all-reduce a 4 MB tensor with each algorithm inside common.allreduce's
+Four gloo processes all-reduce a 4 MB tensor with each algorithm inside common.lessons.allreduce's
 recording_sends(), which lists every message a rank posts (destination and bytes). One row per
 algorithm, stacked to fit a 720-px page column: each arrow is one sender -> receiver pair; beside the
 diagram, the pairs' messages (once, where every arrow carries the same), the bytes each rank sent and
-the cost model's bytes for the busiest rank (common.allreduce.bytes_sent_per_rank). MiB = 2**20 bytes.
+the cost model's bytes for the busiest rank (common.lessons.allreduce.bytes_sent_per_rank). MiB = 2**20 bytes.
 
     python figures/allreduce_algorithms.py      # docs/images/allreduce_algorithms.svg
 """
@@ -14,7 +14,7 @@ import textwrap
 import torch
 import torch.distributed as dist
 
-from common.allreduce import ALGORITHMS, bytes_sent_per_rank, recording_sends
+from common.lessons.allreduce import ALGORITHMS, bytes_sent_per_rank, recording_sends
 from common.spawn import run_in_process_group
 from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
@@ -123,7 +123,7 @@ def draw(recording: dict, path) -> None:
         fig.text(DIAGRAM / WIDTH + 0.01, middle + 0.78 / height, TITLES[name], fontsize=11, fontweight="bold", va="baseline")
         fig.text(DIAGRAM / WIDTH + 0.01, middle + 0.62 / height, "\n".join(lines), fontsize=9.5, va="top", linespacing=1.45)
     fig.text(0.5, 1 - 0.1 / height, f"Who sends what in one all-reduce of S = {mib(size)} on {world_size} gloo processes\n"
-             "(common/allreduce.py), every message recorded; arrows coloured by sender", ha="center", va="top",
+             "(common/lessons/allreduce.py), every message recorded; arrows coloured by sender", ha="center", va="top",
              fontsize=10.5, linespacing=1.4)
     save(fig, path)
 

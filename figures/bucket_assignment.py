@@ -1,4 +1,4 @@
-"""Figure: which parameters share a gradient bucket, in ours (common/bucketing.py) and in torch's DDP.
+"""Figure: which parameters share a gradient bucket, in ours (common/lessons/bucketing.py) and in torch's DDP.
 
 Drawn for BasicNet (4.58 MiB of parameters) at the default bucket_cap_mb=25; recorded also for the
 tests' tiny BERT (tests/nli_files.py's configuration, 91.6 KiB of parameters) at bucket_cap_mb=0.02,
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.bucketing import BucketedDataParallel
+from common.lessons.bucketing import BucketedDataParallel
 from common.mnist import BasicNet
 from common.spawn import run_in_process_group
 from style import COLORS, IMAGES, parser, plt, save, stable_svg_style

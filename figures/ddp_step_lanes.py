@@ -1,6 +1,6 @@
 """Draw one DDP training step as two lanes: compute, and the gradient all-reduces that overlap it.
 
-A schematic of what common/bucketing.py and DDP do, before the measured timeline of
+A schematic of what common/lessons/bucketing.py and DDP do, before the measured timeline of
 figures/overlap_timeline.py: backward produces the gradients last layer first, they fill buckets in
 that order, and each full bucket's all-reduce starts while backward goes on with earlier layers;
 only what is still in flight when backward ends delays the optimizer step. Durations are illustrative.

@@ -3,14 +3,14 @@
 A schematic for 4 GPUs, with the real tensor shapes and sizes of BasicNet (global batch 64) and of
 BERT with bert-base-cased's configuration (BertConfig(vocab_size=28996), built on the meta device: no
 download, no memory; global batch 32 of 128 tokens). The sizes come from the models themselves;
-the all-reduce bytes from common.allreduce.bytes_sent_per_rank. The splitting over several GPUs
+the all-reduce bytes from common.lessons.allreduce.bytes_sent_per_rank. The splitting over several GPUs
 cannot be measured on the CPU this repository is tested on, and the figure says so.
 
     python figures/dp_vs_ddp.py                 # docs/images/dp_vs_ddp.svg, and prints the byte counts as Markdown
 """
 import torch
 
-from common.allreduce import bytes_sent_per_rank
+from common.lessons.allreduce import bytes_sent_per_rank
 from common.mnist import BasicNet
 from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 

@@ -1,8 +1,8 @@
 """Figure: backward overlapped with bucketed all-reduce, measured, per rank.
 
-Two gloo processes train a stack of equal linear layers (common.bucketing.linear_stack, 8 x
+Two gloo processes train a stack of equal linear layers (common.lessons.bucketing.linear_stack, 8 x
 Linear(1024, 1024): 32 MiB of gradients, batch 64 each) with four configurations: ours
-(common/bucketing.py) with one bucket after backward, with 1 MiB buckets and with 25 MiB buckets, and
+(common/lessons/bucketing.py) with one bucket after backward, with 1 MiB buckets and with 25 MiB buckets, and
 torch's DistributedDataParallel (bucket_cap_mb is in MiB, 2**20 bytes, for both; the figure says MiB,
 the recording keeps the configurations' names, "1 MB", that the tests read). One training step after
 warm-up is timed on each rank:
@@ -25,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 
-from common.bucketing import BucketedDataParallel, linear_stack
+from common.lessons.bucketing import BucketedDataParallel, linear_stack
 from common.machine import machine_name
 from common.spawn import run_in_process_group
 from style import COLORS, IMAGES, parser, plt, save

@@ -1,8 +1,8 @@
-"""Figure: the ring all-reduce step by step, recorded from a real gloo run of common/allreduce.py's ring.
+"""Figure: the ring all-reduce step by step, recorded from a real gloo run of common/lessons/allreduce.py's ring.
 
 Four processes each hold a tensor cut into 4 chunks; rank r's chunk c starts as (c + 1) * 10^r, so
 the digits of every partial sum say which ranks it already contains (2020: ranks 1 and 3). The ring
-(common.allreduce.ring_all_reduce) runs with an observer that copies each rank's chunks after every
+(common.lessons.allreduce.ring_all_reduce) runs with an observer that copies each rank's chunks after every
 step; the drawing takes which chunk each rank sent and received from the same ring_schedule the
 implementation follows. Writes a static SVG (all steps side by side) and an animated GIF (one step a frame).
 
@@ -11,7 +11,7 @@ implementation follows. Writes a static SVG (all steps side by side) and an anim
 import torch
 import torch.distributed as dist
 
-from common.allreduce import ring_all_reduce, ring_schedule
+from common.lessons.allreduce import ring_all_reduce, ring_schedule
 from common.spawn import run_in_process_group
 from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
@@ -103,7 +103,7 @@ def draw(recording: dict, svg_path, gif_path=None) -> None:
     axes[1][0].set_axis_off()
     for index, state in enumerate(pictures[1:]):
         draw_state(axes[index // steps][1 + index % steps], state, total, state["short"])
-    fig.suptitle(f"Ring all-reduce of {recording['world_size']} gloo processes (common/allreduce.py), recorded.\n"
+    fig.suptitle(f"Ring all-reduce of {recording['world_size']} gloo processes (common/lessons/allreduce.py), recorded.\n"
                  "Top: reduce-scatter; bottom: all-gather. Outlined: the chunk each rank sends to the next (arrow); "
                  "filled: the chunk it received\n(orange: added, green: copied); bold: the full sum", fontsize=9)
     fig.tight_layout()

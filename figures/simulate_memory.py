@@ -1,9 +1,9 @@
 """Figure: memory per rank from 1 to 1,024 simulated ranks, and what FSDP2's peak is made of.
 
-Every number is a `common.simulate` run: one AdamW step of a Llama-shaped model (Llama 3.2 1B's shape,
+Every number is a `planner.simulate` run: one AdamW step of a Llama-shaped model (Llama 3.2 1B's shape,
 16 layers, hidden 2048, vocabulary 128,256, with an untied head so that it can be wrapped on its own),
 one sequence of 2,048 tokens per rank, fp32, under the fake backend.
-  top     the peak per rank against the world size, for each strategy, beside common.plan's total
+  top     the peak per rank against the world size, for each strategy, beside planner.plan's total
           (dashed: its state, its activation estimate and FSDP's gathers)
   bottom  FSDP2's peak at 64 ranks split by what it is made of (the tracker's categories), wrapped per
          block (the embedding and the head stay in the root group, gathered whole all step), with the
@@ -15,8 +15,8 @@ one sequence of 2,048 tokens per rank, fp32, under the fake backend.
 from transformers import LlamaConfig
 
 from common.machine import machine_name
-from common.plan import STRATEGIES as NAMES
-from common.simulate import STRATEGIES, Case, gathered_and_buffers, simulate
+from planner.plan import STRATEGIES as NAMES
+from planner.simulate import STRATEGIES, Case, gathered_and_buffers, simulate
 from style import COLORS, IMAGES, parser, plt, save
 
 SHAPES = {

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from common.bucketing import linear_stack
+from common.lessons.bucketing import linear_stack
 from common.machine import machine_name
 from common.spawn import run_in_process_group
 from overlap_timeline import CONFIGS, SIZES, step, wrap

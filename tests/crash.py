@@ -19,7 +19,7 @@ WHAT is comma-separated:
   record-loaded                every rank saves its parameters and optimizer state as they are before
                                its first optimizer step (what it loaded) to $RECORD_SAMPLES/loaded-rank<R>.pt
   first-buckets                negative control: a resumed DDP does not rebuild its buckets before
-                               its first step (common/ddp_buckets.py)
+                               its first step (common/resume_buckets.py)
   keep-eval-padding            negative control: the Trainer gathers its evaluation without dropping the
                                padding that evens the ranks' batches (Accelerate's gather, not gather_for_metrics)
   none                         no crash
@@ -118,8 +118,8 @@ if __name__ == "__main__":
         elif item == "record-loaded":
             record_loaded(Path(os.environ["RECORD_SAMPLES"]) / f"loaded-rank{rank}.pt")
         elif item == "first-buckets":
-            import common.ddp_buckets
-            common.ddp_buckets.rebuild_buckets = lambda model, autocast, *inputs, **kwargs: None
+            import common.resume_buckets
+            common.resume_buckets.rebuild_buckets = lambda model, autocast, *inputs, **kwargs: None
         elif item == "keep-eval-padding":
             import accelerate
             accelerate.Accelerator.gather_for_metrics = lambda self, data, use_gather_object=False: self.gather(data)

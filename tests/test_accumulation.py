@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import accumulation
+from common.lessons import accumulation
 from common.mnist import BasicNet
 from common.spawn import run_in_process_group
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.allreduce import ALGORITHMS, bytes_sent_per_rank, ring_all_reduce
+from common.lessons.allreduce import ALGORITHMS, bytes_sent_per_rank, ring_all_reduce
 from common.spawn import run_in_process_group
 
 SIZES = [1, 2, 5, 7, 1000, 4099]  # several smaller than the world size, most not divisible by it

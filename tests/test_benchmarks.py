@@ -50,7 +50,7 @@ def test_allreduce_speed(run_command, tmp_path):
     rows = [line for line in result.stdout.splitlines() if line.startswith("| 3 |")]
     assert len(rows) == 2 * 4  # 2 sizes (1 and 4 KiB) x 4 algorithms
     assert all(line.endswith("| yes |") for line in rows), result.stdout  # each summed exactly
-    from common.allreduce import bytes_sent_per_rank
+    from common.lessons.allreduce import bytes_sent_per_rank
     ring_3_4k = next(line for line in rows if line.startswith("| 3 | 4 KiB | ring |")).split(" | ")
     assert float(ring_3_4k[5]) == round(bytes_sent_per_rank("ring", 4096, 3) / 2**20, 2)
 

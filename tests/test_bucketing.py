@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.bucketing import BucketedDataParallel
+from common.lessons.bucketing import BucketedDataParallel
 from common.mnist import BasicNet
 from common.spawn import run_in_process_group
 

@@ -1,4 +1,4 @@
-"""Fewer bytes on the wire (common/comm_hooks.py, common/local_sgd.py): what each method sends, counted
+"""Fewer bytes on the wire (common/lessons/comm_hooks.py, common/lessons/local_sgd.py): what each method sends, counted
 as the tensors are handed to all_reduce, and what it computes.
 
 One real gloo group of 3 processes runs every case (one start-up instead of one per case); the tests
@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.comm_hooks import AllReduceCounter, bucket_cap_mb, gradient_bytes, powersgd_numel, register_comm_hook
-from common.local_sgd import OuterOptimizer
+from common.lessons.comm_hooks import AllReduceCounter, bucket_cap_mb, gradient_bytes, powersgd_numel, register_comm_hook
+from common.lessons.local_sgd import OuterOptimizer
 from common.mnist import BasicNet
 from common.spawn import run_in_process_group
 from conftest import ROOT, TEST_IMAGES, TORCHRUN, assert_ran, run_as_user

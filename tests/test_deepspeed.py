@@ -1,8 +1,8 @@
-"""DeepSpeed's ZeRO stages train what DDP and common/zero.py train, hold what the plan says, and refuse bad input.
+"""DeepSpeed's ZeRO stages train what DDP and common/lessons/zero.py train, hold what the plan says, and refuse bad input.
 
 The equality runs in real gloo groups of 2 and 3 processes: each rank starts from its own weights
 (the engine must copy rank 0's, as DDP does), feeds its own batches, and after STEPS AdamW steps
-every stage's full parameters are compared with DDP's and with common/zero.py's of the same stage.
+every stage's full parameters are compared with DDP's and with common/lessons/zero.py's of the same stage.
 The tolerance is 1e-6 absolute (plus 1e-5 relative), as tests/test_zero.py's: the stages sum the
 same gradients in another order (flat buckets, a reduce-scatter instead of an all-reduce), which
 moves a weight of order 1 by a few float32 ulps (measured: at most 3e-8 after 5 steps). The
@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.distributed import free_port
 from common.spawn import run_in_process_group
-from common.zero import ZeRO
+from common.lessons.zero import ZeRO
 from conftest import ACCELERATE, PYTHON, ROOT, assert_clear_error, assert_ran, run_as_user
 from test_zero import adamw, small_model
 from test_zero import batch_for as zero_batch_for
@@ -39,7 +39,7 @@ def batch_for(rank, step):
 
 
 def train_beside_ddp(rank, world_size, stage, config_extra):
-    """STEPS steps of a DeepSpeed engine at `stage`, of DDP and of common/zero.py, on the same data; full weights."""
+    """STEPS steps of a DeepSpeed engine at `stage`, of DDP and of common/lessons/zero.py, on the same data; full weights."""
     torch.manual_seed(rank)  # different weights per rank
     module = small_model().eval()  # no dropout: the same arithmetic in all three
     reference = DDP(copy.deepcopy(module))

@@ -33,7 +33,7 @@ import simulate_memory  # noqa: E402
 import step_time_breakdown  # noqa: E402
 import zero_stages  # noqa: E402
 
-from common.allreduce import bytes_sent_per_rank, ring_schedule  # noqa: E402
+from common.lessons.allreduce import bytes_sent_per_rank, ring_schedule  # noqa: E402
 from common.mnist import BasicNet  # noqa: E402
 from common.spawn import run_in_process_group  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402

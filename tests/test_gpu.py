@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.comm_hooks import HOOKS
+from common.cli import COMM_HOOKS
 from conftest import ACCELERATE, EVAL_PAIRS, GPU_DEVICES, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran
 
 CH4 = ROOT / "src" / "ch4"
@@ -359,14 +359,14 @@ def test_hsdp_one_process_mesh(run_command, tiny_mnist, param_dtype, precision):
 def payload_per_step(hook: str, steps: int, powersgd_rank: int = 1) -> str:
     """What mnist_comm_hooks.py prints as the mean payload per step: the first 2 steps of PowerSGD are plain."""
     if hook == "powersgd":
-        from common.comm_hooks import powersgd_numel
+        from common.lessons.comm_hooks import powersgd_numel
         from common.mnist import BasicNet
         compressed = 4 * sum(powersgd_numel(p.shape, powersgd_rank) for p in BasicNet().parameters())
         return f"{(2 * PLAIN_BYTES + (steps - 2) * compressed) / steps:,.0f}"
     return f"{PLAIN_BYTES / (2 if hook in ('fp16', 'bf16') else 1):,.0f}"
 
 
-@pytest.mark.parametrize("hook", HOOKS)
+@pytest.mark.parametrize("hook", COMM_HOOKS)
 def test_comm_hook_one_process_nccl(run_command, tiny_mnist, hook):
     """Each hook the script offers, on NCCL (DDP's default buckets: the single-bucket rule is gloo's), over a
     group of one: DDP still hands every bucket to the hook, and the payload is what the hook sends."""

@@ -315,7 +315,7 @@ def test_gpu_check_sets_the_plan_beside_the_bert_rows():
     parameter tensor: 41 here); the device name picks the plan's preset."""
     import importlib.util
     from transformers import BertConfig
-    from common.plan import GPUS
+    from planner.plan import GPUS
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
@@ -336,7 +336,7 @@ def test_gpu_check_sets_the_plan_beside_the_bert_rows():
     assert gpu_check.bert_table(measured, "NVIDIA H100 80GB HBM3")[-1] == (
         f"| fp32 | {row['samples_per_s']:.0f} ({base['samples_per_s']:.0f}) | {base['mfu']:.2f} | "
         f"{row['state_bytes'] / 1e9:.2f} (1.75) | 1.0 ({base['total_bytes'] / 1e9:.1f}) |")
-    assert "no preset in common.plan matches NVIDIA L40S" in "\n".join(gpu_check.bert_table(measured, "NVIDIA L40S"))
+    assert "no preset in planner.plan matches NVIDIA L40S" in "\n".join(gpu_check.bert_table(measured, "NVIDIA L40S"))
 
 
 def test_gpu_check_writes_its_results_between_the_pages_markers(tmp_path):

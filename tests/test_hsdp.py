@@ -38,7 +38,7 @@ from common.distributed import free_port
 from common.fsdp import MixedPrecisionPolicy
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, make_loader
-from common.plan import Link, communication, ring_seconds
+from planner.plan import Link, communication, ring_seconds
 from common.samplers import DistributedEvalSampler
 from common.spawn import run_in_process_group
 from conftest import PYTHON, ROOT, TEST_IMAGES, assert_clear_error, offline_env
@@ -189,7 +189,7 @@ def test_collectives_per_step_match_the_formula(meshes, shape):
 
 
 def test_hsdp_moves_what_the_plan_assumes(meshes):
-    """common/plan.py's HSDP terms (FSDP within a node of S, each GPU's 1/S of the gradients all-reduced across
+    """planner/plan.py's HSDP terms (FSDP within a node of S, each GPU's 1/S of the gradients all-reduced across
     the R nodes), priced on a unit link, equal the same price of the collectives that ran on the 2 x 2 mesh."""
     unit = Link("unit", 1.0, 0.0, per_node=8)
     psi = sum(p.numel() for p in BasicNet().parameters())  # divides by 2 in every row: no padding

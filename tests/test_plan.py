@@ -1,4 +1,4 @@
-"""python -m common.plan: the published memory figures exactly, a model counted from its config, bad input,
+"""python -m planner.plan: the published memory figures exactly, a model counted from its config, bad input,
 and benchmarks/plan_check.py's measured bytes per rank within 1 % of the plan's at toy size."""
 import json
 import math
@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 from transformers import AutoModelForSequenceClassification
 
-from common.comm_hooks import powersgd_numel
-from common.plan import GPUS, NETWORKS, Model, activation_bytes, main, memory_bytes, model_of_config, plan
+from common.lessons.comm_hooks import powersgd_numel
+from planner.plan import GPUS, NETWORKS, Model, activation_bytes, main, memory_bytes, model_of_config, plan
 from conftest import PYTHON, ROOT, assert_clear_error
 
 sys.path.insert(0, str(ROOT / "benchmarks"))  # plan_check imports its neighbour sharded_memory
@@ -74,7 +74,7 @@ def test_by_hand_presets(capsys):
 
 def test_model_counted_on_the_meta_device(capsys, tiny_bert):
     """--model reads the config only: the count is that of the real model with the head it trains with
-    here (a classifier for BERT), and the JSON says so in the names common.simulate's JSON uses."""
+    here (a classifier for BERT), and the JSON says so in the names planner.simulate's JSON uses."""
     real = sum(p.numel() for p in AutoModelForSequenceClassification.from_pretrained(tiny_bert).parameters())
     main(["--model", str(tiny_bert), "--gpus", "2", "--strategy", "ddp", "--json", "--compression", "powersgd1"])
     out = json.loads(capsys.readouterr().out)
@@ -135,14 +135,14 @@ def test_bad_input_gets_one_sentence(capsys, argv, phrase):
         main(argv)
     assert exit_.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("python -m common.plan: error: ") and phrase in last
+    assert last.startswith("python -m planner.plan: error: ") and phrase in last
 
 
 def test_uncached_hub_name_offline(run_command):
     """As a user runs it, offline: a hub name that is not in the cache gets one sentence, no traceback."""
-    result = run_command(PYTHON, "-m", "common.plan", "--model", "no-such-org/no-such-model", timeout=120)
+    result = run_command(PYTHON, "-m", "planner.plan", "--model", "no-such-org/no-such-model", timeout=120)
     assert_clear_error(result, "pass a local folder holding the model's config.json")
-    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("python -m common.plan: error:")
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("python -m planner.plan: error:")
 
 
 def test_plan_check_bytes_within_one_percent(tiny_bert):

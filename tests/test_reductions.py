@@ -3,12 +3,12 @@
 One gloo group of 3 processes (2 would hide non-associativity), float64, runs every check and
 returns what rank 0 measured; the tests compare it with one process on the whole global batch, and
 each planted wrong way with the same reference, which it must miss.
-  - gradient clipping by the total norm: DDP, ZeRO stages 1-3 (common/zero.py), FSDP2, Accelerate,
+  - gradient clipping by the total norm: DDP, ZeRO stages 1-3 (common/lessons/zero.py), FSDP2, Accelerate,
     Lightning's gradient_clip_val; the wrong way clips each rank's shards by their own norm;
-  - the token-mean loss of a tiny GPT-2 (common/token_loss.py) over 4 micro-batches of padded
+  - the token-mean loss of a tiny GPT-2 (common/lessons/token_loss.py) over 4 micro-batches of padded
     sequences of different lengths per rank; the wrong ways average means;
   - BatchNorm's statistics: per rank (plain BatchNorm under DDP) against the global batch's
-    (common/batch_norm.py's all-reduced stand-in for SyncBatchNorm, whose kernels are CUDA-only).
+    (common/lessons/batch_norm.py's all-reduced stand-in for SyncBatchNorm, whose kernels are CUDA-only).
 In one process: fp16 loss scaling must unscale the gradients before they are clipped, every BERT
 script clips there, and its --help says so.
 """
@@ -22,12 +22,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.batch_norm import AllRanksBatchNorm2d, BatchNormNet
+from common.lessons.batch_norm import AllRanksBatchNorm2d, BatchNormNet
 from common.fsdp import fully_shard
 from common.nli import nli_parser
 from common.spawn import run_in_process_group
-from common.token_loss import WAYS, accumulate, token_loss_sum
-from common.zero import STAGES, ZeRO
+from common.lessons.token_loss import WAYS, accumulate, token_loss_sum
+from common.lessons.zero import STAGES, ZeRO
 from test_zero import small_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -372,7 +372,7 @@ def test_the_bert_flags_say_that_they_clip():
 
 def test_the_code_in_the_docs_page_is_the_code():
     """Every line of docs/reductions.md's code blocks is a line of the sources it quotes, so it cannot drift."""
-    sources = "\n".join((ROOT / path).read_text() for path in ("common/zero.py", "common/token_loss.py", "src/ch4/ddp.py"))
+    sources = "\n".join((ROOT / path).read_text() for path in ("common/lessons/zero.py", "common/lessons/token_loss.py", "src/ch4/ddp.py"))
     lines = {line.strip() for line in sources.splitlines()}
     blocks = re.findall(r"```python[^\n]*\n(.*?)```", (ROOT / "docs" / "reductions.md").read_text(), re.S)
     quoted = [line.strip() for block in blocks for line in block.splitlines() if line.strip() not in ("", "...")]

@@ -4,7 +4,7 @@ Every run trains the tiny MNIST for 2 epochs on 3 gloo processes (6 steps per ep
 every 4), under torchrun with --max-restarts=1; tests/crash.py SIGKILLs a worker at a chosen point of
 the first attempt only, torchrun restarts the workers, and they resume from the newest checkpoint.
 Three processes, not two: with two, every all-reduce sum is a + b == b + a, and a resumed DDP that
-reduces in other buckets than the run it continues (common/ddp_buckets.py) ends bitwise equal all the
+reduces in other buckets than the run it continues (common/resume_buckets.py) ends bitwise equal all the
 same; with three it does not. A clean resume (a finished run's checkpoint copied into a new folder)
 is checked at 2 processes too.
 Equal means torch.equal on every tensor of the final weights and of the final optimizer state. The

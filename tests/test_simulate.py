@@ -1,9 +1,9 @@
-"""python -m common.simulate: one training step at a simulated world size, trusted where it can be checked.
+"""python -m planner.simulate: one training step at a simulated world size, trusted where it can be checked.
 
 The simulation plays rank 0 of N under torch's fake backend, on fake tensors. The same function runs here
 under a real gloo group with real tensors: rank 0's persistent state (parameters, gradients, optimizer
 state) and its collectives (kind, count, bytes) must be the same. Then the persistent state must agree
-with common.plan at sizes no machine here has, and a planted error in the plan's formula must show.
+with planner.plan at sizes no machine here has, and a planted error in the plan's formula must show.
 """
 import json
 import sys
@@ -12,8 +12,8 @@ from dataclasses import asdict, replace
 import pytest
 import torch.distributed as dist
 
-import common.plan as planner
-from common.simulate import Case, fake_group, gathered_and_buffers, main, measure_step, simulate
+import planner.plan as planner
+from planner.simulate import Case, fake_group, gathered_and_buffers, main, measure_step, simulate
 from common.spawn import run_in_process_group
 
 SMALL = Case("fsdp", 2, 2, layers=2, hidden=64, batch=4)
@@ -184,7 +184,7 @@ def test_a_tied_model_is_refused_by_zero_and_by_the_split_wrap(tmp_path, capsys)
     from transformers import GPT2Config
     GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, architectures=["GPT2LMHeadModel"],
                eos_token_id=0).save_pretrained(tmp_path)
-    for argv, says in ((["--strategy", "zero2"], "common/zero.py refuses this model"),
+    for argv, says in ((["--strategy", "zero2"], "common/lessons/zero.py refuses this model"),
                        (["--wrap", "blocks+embeddings"], "ties its output head to its input embedding")):
         with pytest.raises(SystemExit):
             main(["--model", str(tmp_path), "--gpus", "2", "--seq", "8", *argv])

@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 (common/zero.py) train exactly as DDP does, while each rank holds only its shards.
+"""ZeRO stages 1-3 (common/lessons/zero.py) train exactly as DDP does, while each rank holds only its shards.
 
 Real gloo groups of 2 and 3 processes. Each rank starts from different weights (both wrappers must
 copy rank 0's), feeds its own batches, and after a few AdamW steps the full parameters of every
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.spawn import run_in_process_group
-from common.zero import STAGES, ZeRO, _Unit
+from common.lessons.zero import STAGES, ZeRO, _Unit
 
 STEPS = 3
 
@@ -86,7 +86,7 @@ def misuse_is_an_error():
 
 def every_stage(rank, world_size):
     """All three stages in one process group (starting processes is the slow part), misuse, and last
-    (it patches common.zero in these processes) the planted bug."""
+    (it patches common.lessons.zero in these processes) the planted bug."""
     results = {"misuse": misuse_is_an_error(), **{stage: train_against_ddp(rank, world_size, stage) for stage in STAGES}}
     return {**results, "local_gradients_only": train_against_ddp(rank, world_size, 2, local_gradients_only=True)}
 

@@ -9,7 +9,7 @@ mnist_1_single.py in fp32 and bf16, for mnist_3_ddp.py under torchrun with 1 pro
 mnist_4_accelerate.py under accelerate launch with 1 process; then the training throughput of a
 BERT-base-sized classifier (BertConfig's defaults: 12 layers, hidden 768, random weights, nothing
 downloaded) at global batch 128 and 128 tokens, in fp32, bf16 and fp16, after a warm-up, with the peak
-GPU memory (torch.cuda.max_memory_allocated), each beside what common.plan predicts for it on the GPU's
+GPU memory (torch.cuda.max_memory_allocated), each beside what planner.plan predicts for it on the GPU's
 preset (the plan's GPU row: benchmarks/plan_check.py checks it on CPU processes).
 
 A row that fails is written as failed, with its one-line reason, and the others still run; the page is
@@ -45,7 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from common.machine import machine_name  # noqa: E402  (after the path above)
-from common.plan import GB, GPU, GPUS, NETWORKS, model_of_config, plan, step_flops  # noqa: E402
+from planner.plan import GB, GPU, GPUS, NETWORKS, model_of_config, plan, step_flops  # noqa: E402
 from common.precision import FP16_DEVICES, auto_precision, autocast, grad_scaler, optimizer_step  # noqa: E402
 from common.memory import optimizer_tensors, storage_bytes  # noqa: E402
 
@@ -198,7 +198,7 @@ def bert_base_row(precision: str, device: torch.device, config=None, batch: int 
 
 
 def gpu_preset(name: str) -> GPU | None:
-    """common.plan's preset for a device name such as 'NVIDIA H100 80GB HBM3'; None if there is none (the
+    """planner.plan's preset for a device name such as 'NVIDIA H100 80GB HBM3'; None if there is none (the
     presets are the SXM parts: an H100 PCIe or NVL has a lower peak)."""
     if re.search(r"PCIe|NVL", name, re.IGNORECASE):
         return None
@@ -206,7 +206,7 @@ def gpu_preset(name: str) -> GPU | None:
 
 
 def plan_beside(measured: dict, precision: str, gpu: GPU, config=None) -> dict:
-    """common.plan's prediction for the run bert_base_row measured: one GPU (no communication) at the
+    """planner.plan's prediction for the run bert_base_row measured: one GPU (no communication) at the
     calculator's default MFU; and the MFU the run reached, from the same FLOP count.
 
     Autocast keeps fp32 weights and gradients (4 + 4 + 8 bytes per parameter), where the plan's mixed
@@ -314,7 +314,7 @@ def precision_cell(precision: str, ran_as: str) -> str:
 
 
 def bert_table(bert: dict, device: str, toy: bool = False) -> list[str]:
-    """The BERT-base rows, each beside common.plan's prediction for the same run on this GPU's preset; toy (--cpu):
+    """The BERT-base rows, each beside planner.plan's prediction for the same run on this GPU's preset; toy (--cpu):
     the rows' code on TOY_BERT, with no prediction."""
     gpu = None if toy else gpu_preset(device)
     if toy:
@@ -323,13 +323,13 @@ def bert_table(bert: dict, device: str, toy: bool = False) -> list[str]:
                  "the code path of the GPU rows, not a measurement."]
     else:
         lines = ["BERT-base-sized fine-tuning on 1 GPU: BertConfig's default sizes with random weights, batch 128 of 128",
-                 "tokens, throughput after 3 warm-up steps. Measured, and in brackets what `python -m common.plan`",
+                 "tokens, throughput after 3 warm-up steps. Measured, and in brackets what `python -m planner.plan`",
                  "predicts for it " + (f"with the {gpu.name} preset at its default MFU of 0.4; the MFU column is the "
                                        "share of the preset's peak the run reached. Model state: parameters, gradients "
                                        "and AdamW's state as held (autocast keeps fp32 weights and gradients: 16 bytes "
                                        "per parameter, as the plan's mixed precision, split otherwise); peak: "
                                        "`torch.cuda.max_memory_allocated`, against the plan's state + activations."
-                                       if gpu else f"(no preset in common.plan matches {device}: {', '.join(GPUS)}).")]
+                                       if gpu else f"(no preset in planner.plan matches {device}: {', '.join(GPUS)}).")]
     lines += ["", "| precision | samples/s | MFU | model state GB | peak GB |", "|---|---:|---:|---:|---:|"]
     for precision, r in bert.items():
         name = precision_cell(precision, r.get("ran_as", precision))

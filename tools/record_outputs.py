@@ -46,7 +46,7 @@ REGION = re.compile(r"^<!-- record ([a-z0-9-]+)\n(.*?)^-->\n(.*?)^<!-- end recor
 FENCE = re.compile(r"^(`{3,})([^\n`]*)\n(.*?)^\1$", re.MULTILINE | re.DOTALL)
 OPTIONS = {"drop", "timeout", "exit", "needs"}
 NEEDS = {"gpu": "a GPU", "slurm": "a SLURM cluster (sbatch on the PATH)"}
-SOURCE = re.compile(r"(?<![\w./-])((?:src|common|benchmarks|tools|figures|slurm|tests)/[\w./-]*\.(?:py|yaml|yml|sh|sbatch))")
+SOURCE = re.compile(r"(?<![\w./-])((?:src|common|planner|benchmarks|tools|figures|slurm|tests)/[\w./-]*\.(?:py|yaml|yml|sh|sbatch))")
 MODULE = re.compile(r"(?:^|\s)-m\s+([\w.]+)")
 IMPORTED = re.compile(r"\b(?:from|import)\s+([\w.]+)")  # in `python -c "..."` commands
 
@@ -99,7 +99,7 @@ def recording_path(page_path, name):
 
 
 def module_file(module, near):
-    """The repository file of an imported module: a package module (common.plan) or a sibling script's."""
+    """The repository file of an imported module: a package module (planner.plan) or a sibling script's."""
     for base in (ROOT, near):
         for candidate in (base / Path(*module.split(".")).with_suffix(".py"), base / Path(*module.split(".")) / "__init__.py"):
             if candidate.is_file() and ROOT in candidate.resolve().parents:
@@ -108,7 +108,7 @@ def module_file(module, near):
 
 
 def imported_files(path):
-    """The repository Python files `path` imports, transitively (common/, and a script's own siblings)."""
+    """The repository Python files `path` imports, transitively (common/, planner/, and a script's own siblings)."""
     seen, todo = set(), [path]
     while todo:
         current = todo.pop()

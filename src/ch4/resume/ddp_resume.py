@@ -29,7 +29,7 @@ from transformers import get_linear_schedule_with_warmup
 from common.checkpoint import Checkpoints, Position  # STEP
 from common.cli import add_checkpoint_flags  # STEP
 from common.cli import per_process_batch
-from common.ddp_buckets import rebuild_buckets  # STEP
+from common.resume_buckets import rebuild_buckets  # STEP
 from common.distributed import device_for, init_process_group, print0, processes, require_launcher
 from common.gather import sum_across_ranks
 from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs

@@ -8,7 +8,7 @@ mnist_3_ddp.py with checkpoints a restarted job resumes from, bit for bit. What 
     atomically and keeps the last two);
   - at start-up the newest checkpoint that loads is restored, or training starts from the beginning;
   - a resumed DDP rebuilds its gradient buckets before its first step, as the interrupted run had
-    them (common/ddp_buckets.py): at 3 or more processes, other buckets would round the sums otherwise;
+    them (common/resume_buckets.py): at 3 or more processes, other buckets would round the sums otherwise;
   - the sampler's position is a global sample cursor (the samples of the epoch that all ranks
     together trained on): a resumed epoch continues with the next unseen global batch of the same
     shuffle, at the world size that stopped or at another that divides the global batch (each rank's
@@ -40,7 +40,7 @@ from common.checkpoint import Checkpoints, Position  # STEP
 from common.cli import mnist_parser
 from common.cli import add_checkpoint_flags  # STEP
 from common.cli import per_process_batch
-from common.ddp_buckets import rebuild_buckets  # STEP
+from common.resume_buckets import rebuild_buckets  # STEP
 from common.distributed import device_for, init_process_group, print0, processes, require_launcher
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, make_loader

@@ -3,14 +3,14 @@
 DDP all-reduces every gradient at every step: 4 bytes per parameter in fp32, 4.8 MB per step for this
 1.2 M-parameter model, from every rank. Inside a node that is cheap; between nodes it can be the step's
 cost. A communication hook replaces what DDP does with each gradient bucket (torch's hooks, in
-torch.distributed.algorithms.ddp_comm_hooks; common/comm_hooks.py says what each sends):
+torch.distributed.algorithms.ddp_comm_hooks; common/lessons/comm_hooks.py says what each sends):
   - --comm-hook fp16 or bf16: the bucket cast to 16 bits, all-reduced, cast back: half the bytes;
   - --comm-hook powersgd --powersgd-rank r: each weight's gradient, an n×m matrix, sent as two factors
     of r(n+m) numbers; biases whole; the first 2 steps plain (PowerSGD's warm-up). What the factors
     miss is added to the next step's gradient (error feedback), so little is lost for good;
   - --comm-hook none: allreduce_hook, DDP's own all-reduce written in Python, so that it is counted too.
 The script counts the bytes of every tensor each rank hands to all_reduce while it trains
-(common.comm_hooks.AllReduceCounter) and prints them per step against plain DDP's.
+(common.lessons.comm_hooks.AllReduceCounter) and prints them per step against plain DDP's.
 
 Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
     torchrun --nproc_per_node=2 src/ch4/scale_out/mnist_comm_hooks.py --comm-hook powersgd --powersgd-rank 4
@@ -31,7 +31,7 @@ from torch.utils.data.distributed import DistributedSampler
 from common.cli import add_comm_hook_flags, mnist_parser  # STEP
 from common.compile import add_compile_flag, compiled
 from common.cli import per_process_batch
-from common.comm_hooks import AllReduceCounter, bucket_cap_mb, bytes_report, register_comm_hook  # STEP
+from common.lessons.comm_hooks import AllReduceCounter, bucket_cap_mb, bytes_report, register_comm_hook  # STEP
 from common.distributed import device_for, init_process_group, print0, processes, require_launcher
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, make_loader

@@ -2,7 +2,7 @@
 
 DDP all-reduces the gradients at every step. Here each rank trains its own replica with its own AdamW
 for H steps (--sync-every H), without any communication; then the ranks all-reduce once, and an outer
-optimizer moves the shared weights (common/local_sgd.py):
+optimizer moves the shared weights (common/lessons/local_sgd.py):
   - the pseudo-gradient is start − (the mean of the replicas' weights): how far the replicas moved,
     on average, since the last synchronisation;
   - DiLoCo (the default): outer SGD with Nesterov momentum 0.9 at learning rate 0.7 on it;
@@ -31,10 +31,10 @@ from torch.utils.data.distributed import DistributedSampler
 from common.cli import add_local_sgd_flags, mnist_parser  # STEP
 from common.compile import add_compile_flag, compiled
 from common.cli import per_process_batch
-from common.comm_hooks import AllReduceCounter, bytes_report  # STEP
+from common.lessons.comm_hooks import AllReduceCounter, bytes_report  # STEP
 from common.distributed import device_for, init_process_group, print0, processes, require_launcher
 from common.gather import sum_across_ranks
-from common.local_sgd import OuterOptimizer  # STEP
+from common.lessons.local_sgd import OuterOptimizer  # STEP
 from common.mnist import BasicNet, load_mnist, make_loader
 from common.precision import autocast, grad_scaler, resolve_precision
 from common.samplers import DistributedEvalSampler

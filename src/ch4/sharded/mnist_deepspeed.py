@@ -2,7 +2,7 @@
 
 mnist_fsdp.py shards with torch's fully_shard (ZeRO stage 3). DeepSpeed's engine does the same and
 more, chosen by one number, --zero-stage: 0 is plain data parallelism (every rank holds everything),
-1 shards AdamW's state, 2 also the gradients, 3 also the parameters (common/zero.py writes each out).
+1 shards AdamW's state, 2 also the gradients, 3 also the parameters (common/lessons/zero.py writes each out).
 What changes from mnist_fsdp.py:
   - the set-up is one config dict (common/deepspeed_config.py: the batch sizes, the stage, the
     precision, and gradient clipping turned off, which DeepSpeed turns on by default);

@@ -1,7 +1,7 @@
 """MNIST with FSDP2 (`fully_shard`): the DDP training of mnist_3_ddp.py with the training state sharded.
 
 DDP keeps the whole model, its gradients and AdamW's two moments on every rank. fully_shard keeps
-1/N of each on rank r (ZeRO stage 3; common/zero.py writes the idea out): each parameter is cut along
+1/N of each on rank r (ZeRO stage 3; common/lessons/zero.py writes the idea out): each parameter is cut along
 its first dimension into N pieces, and a layer all-gathers its full parameters just before its forward
 and again before its backward, and frees them after; backward reduce-scatters the gradients, so each
 rank receives the average of its own piece only, and AdamW updates that piece. What changes from DDP:

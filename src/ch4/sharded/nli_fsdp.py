@@ -1,7 +1,7 @@
 """MultiNLI with BERT and FSDP2 (`fully_shard`): ddp.py with the parameters, gradients and optimizer state sharded.
 
 The same fine-tuning as ddp.py, but each of the N ranks keeps only 1/N of the model, of its gradients
-and of AdamW's moments (ZeRO stage 3; common/zero.py writes the idea out). Each encoder layer is
+and of AdamW's moments (ZeRO stage 3; common/lessons/zero.py writes the idea out). Each encoder layer is
 wrapped on its own, then the whole model (which keeps the embeddings, the pooler and the classifier
 as one more group): a layer all-gathers its parameters just before its forward and again before its
 backward, and frees them after, so at most about one layer is held in full besides the root's group.

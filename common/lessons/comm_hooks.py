@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks send less:
 
 "Bytes sent" here is the payload: the bytes of every tensor a rank hands to all_reduce, which
 AllReduceCounter adds up as the tensors pass. What a ring all-reduce then puts on the wire from each
-rank is 2(N-1)/N of that payload (common/allreduce.py); other algorithms send other multiples.
+rank is 2(N-1)/N of that payload (common/lessons/allreduce.py); other algorithms send other multiples.
 """
 import threading
 
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from common.allreduce import bytes_sent_per_rank
+from common.cli import COMM_HOOKS
+from common.lessons.allreduce import bytes_sent_per_rank
 
-HOOKS = ("none", "fp16", "bf16", "powersgd")
 START_POWERSGD = 2  # plain all-reduce for the first steps: the fewest PowerSGD allows with error feedback
 MIN_COMPRESSION_RATE = 2  # torch's default: a matrix is compressed only if that sends less than half
 
@@ -33,8 +33,8 @@ def register_comm_hook(model, name: str, powersgd_rank: int = 1, min_compression
 
     "none" registers allreduce_hook: what DDP does without a hook, written in Python, where
     AllReduceCounter sees it (DDP's own reduction runs in C++)."""
-    if name not in HOOKS:
-        raise ValueError(f"unknown communication hook {name!r}; known: {', '.join(HOOKS)}")
+    if name not in COMM_HOOKS:
+        raise ValueError(f"unknown communication hook {name!r}; known: {', '.join(COMM_HOOKS)}")
     if name == "powersgd":
         state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=powersgd_rank,
                                             start_powerSGD_iter=START_POWERSGD, min_compression_rate=min_compression_rate,
@@ -78,7 +78,7 @@ class AllReduceCounter:
     """Within `with counter:`, add up the bytes and the calls of every torch.distributed.all_reduce
     this process makes; totals grow over several `with` blocks.
 
-    It wraps torch.distributed.all_reduce, the function torch's hooks and common/local_sgd.py call.
+    It wraps torch.distributed.all_reduce, the function torch's hooks and common/lessons/local_sgd.py call.
     PowerSGD issues its second and third all-reduce from a callback, which gloo runs on its own threads: hence the lock.
     """
 

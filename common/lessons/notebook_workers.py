@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import accumulation, allreduce
-from common.bucketing import BucketedDataParallel, linear_stack
+from common.lessons import accumulation, allreduce
+from common.lessons.bucketing import BucketedDataParallel, linear_stack
 from common.mnist import BasicNet
 
 ALGORITHMS = {"reduce + broadcast": allreduce.reduce_broadcast_all_reduce,
@@ -70,7 +70,7 @@ def bucket_sweep(rank: int, world_size: int, caps_mb: list[float], layers: int, 
 
 
 def all_reduces_per_step(rank: int, world_size: int, micro_batches: int) -> dict[str, int]:
-    """For each way to accumulate gradients (common/accumulation.py), the bucket all-reduces DDP
+    """For each way to accumulate gradients (common/lessons/accumulation.py), the bucket all-reduces DDP
     makes in one optimizer step over `micro_batches` micro-batches of BasicNet."""
     counts = {}
     for name in ("sync_every_micro_batch", "no_sync_around_backward_only", "no_sync_around_forward_and_backward"):
