@@ -1,7 +1,9 @@
 # Two commands do all set-up on a fresh machine with Python >= 3.10:
 #   make demo   # creates .venv if missing, installs the project, runs the MNIST ladder (single, then DDP x2)
 #   make test   # creates .venv if missing, installs the project, runs the test suite
-#   make figures  # redraws every figure in docs/images/ from the code and from real runs (figures/, a few minutes)
+#   make check  # a contributor's check before each commit, a few minutes: lint, the lesson diffs, the layout,
+#               # the site (--strict) with its recordings' staleness, and the fast unit equalities
+#   make figures  # redraws every figure in images/ from the code and from real runs (figures/, a few minutes)
 #   make gpu-check  # on a machine with a GPU: tests/test_gpu.py and the GPU benchmark rows into docs/gpu_results.md
 #   make gpu-check-offline  # the same on a GPU machine with no package index: its own python3, no venv (make gpu-wheels first, here)
 #   make docs       # builds the site into site/ with MkDocs (--strict); make docs-serve to read it on localhost:8000
@@ -13,7 +15,7 @@ VENV ?= .venv
 DATA_DIR ?= data
 BIN := $(VENV)/bin
 
-.PHONY: demo test benchmark figures gpu-check docs docs-serve docs-outputs
+.PHONY: demo test check benchmark figures gpu-check docs docs-serve docs-outputs
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +30,12 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest
+
+CHECK_TESTS := test_lint.py test_layout.py test_chapters.py test_site.py test_samplers.py test_devices.py test_bucketing.py \
+	test_accumulation.py test_allreduce.py
+
+check: $(VENV)/.installed
+	$(BIN)/python -m pytest -q $(addprefix tests/,$(CHECK_TESTS))
 
 # Without a GPU it says so in one sentence and exits 0. MNIST must be on this machine (DATA_DIR).
 gpu-check: $(VENV)/.installed
@@ -60,14 +68,14 @@ gpu-wheels:
 	$(PYTHON) -m pip wheel --no-deps -w $(GPU_WHEELS) deepspeed==0.19.8  # an sdist: built here, pure Python
 
 benchmark: $(VENV)/.installed
-	$(BIN)/python benchmarks/mnist_speed.py --data-dir $(DATA_DIR) --plot docs/images/mnist_speed_cpu.png
+	$(BIN)/python benchmarks/mnist_speed.py --data-dir $(DATA_DIR) --plot images/mnist_speed_cpu.png
 
 # Schematics (SVG) are byte-stable: tests/test_figures.py redraws them and compares bytes.
 FIGURES := ring_allreduce allreduce_algorithms bucket_assignment accumulation_syncs dp_vs_ddp zero_stages ddp_step_lanes resume_sequence hsdp_mesh overlap_timeline step_time_breakdown compile_breakdown simulate_memory
 
 figures: $(VENV)/.installed
 	for figure in $(FIGURES); do $(BIN)/python figures/$$figure.py || exit 1; done
-	$(BIN)/python benchmarks/allreduce_speed.py --world-sizes 2 4 --plot docs/images/allreduce_busbw.png
+	$(BIN)/python benchmarks/allreduce_speed.py --world-sizes 2 4 --plot images/allreduce_busbw.png
 
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict

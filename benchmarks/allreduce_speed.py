@@ -8,7 +8,7 @@ bytes, so that one number compares world sizes (nccl-tests' convention). The cos
 an algorithm that sends B bytes per rank where the ring sends 2(N-1)/N * S reaches the ring's busbw
 times 2(N-1)/N * S / B, anchored at the ring's measured busbw at the largest size.
 
-    python benchmarks/allreduce_speed.py --world-sizes 2 4 --plot docs/images/allreduce_busbw.png
+    python benchmarks/allreduce_speed.py --world-sizes 2 4 --plot images/allreduce_busbw.png
 """
 import argparse
 import statistics

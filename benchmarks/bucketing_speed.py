@@ -6,7 +6,7 @@ stack of equal linear layers, so the gradients arrive in even steps through back
 something to hide. The configurations run one after the other in the same processes, each on a fresh
 model after 3 warm-up steps; the table shows the median step.
 
-    python benchmarks/bucketing_speed.py --plot docs/images/bucketing_cpu.png
+    python benchmarks/bucketing_speed.py --plot images/bucketing_cpu.png
 """
 import argparse
 import statistics
@@ -14,12 +14,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from plotting import bar_chart, where_measured
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.lessons.accumulation import count_all_reduces
 from common.lessons.bucketing import BucketedDataParallel, linear_stack
 from common.spawn import run_in_process_group
-from plotting import bar_chart, where_measured
 
 CONFIGS = [("ours, one bucket after backward", None), ("ours, 1 MiB buckets", 1), ("ours, 4 MiB buckets", 4),
            ("ours, 16 MiB buckets", 16), ("ours, 25 MiB buckets", 25), ("torch DDP, bucket_cap_mb=25", "ddp")]

@@ -19,8 +19,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from plotting import bar_chart
+
 from common.checkpoint import Checkpoints, Position
 from common.cli import positive_int
 from common.distributed import device_for

@@ -5,7 +5,7 @@ user would start it; each reports its test accuracy over the 10,000 test images 
 rank handed to all_reduce per training step (the payload, counted as the tensors pass; a ring puts
 2(N-1)/N of it on the wire). Accuracy is not a timing: a busy machine changes none of these numbers.
 
-    python benchmarks/comm_hooks.py --data-dir data --plot docs/images/comm_hooks_cpu.png
+    python benchmarks/comm_hooks.py --data-dir data --plot images/comm_hooks_cpu.png
 """
 import argparse
 import re
@@ -13,8 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.machine import machine_name
 from plotting import finish
+
+from common.machine import machine_name
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOKS = "src/ch4/scale_out/mnist_comm_hooks.py"

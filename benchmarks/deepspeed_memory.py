@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from common.memory import optimizer_tensors, storage_bytes
-from planner.plan import memory_bytes
 from common.spawn import run_in_process_group
+from planner.plan import memory_bytes
 
 MiB = 2**20
 PLAN = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}

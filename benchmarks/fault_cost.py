@@ -14,7 +14,7 @@ times of the heal runs vary by more than that between identical runs on a loaded
 steps taken by fewer than 3 processes, and the test accuracy over 10,000 images (the lowest group's, for a heal run); and
 whether the heal runs' groups end with the same weights, bit for bit.
 
-    python benchmarks/fault_cost.py --data-dir data --plot docs/images/fault_cost_cpu.png   # 4 runs, minutes on a CPU
+    python benchmarks/fault_cost.py --data-dir data --plot images/fault_cost_cpu.png   # 4 runs, minutes on a CPU
 """
 import argparse
 import json

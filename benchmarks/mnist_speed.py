@@ -11,7 +11,7 @@ spends its compile time inside both (dynamo compiles at the first step). The col
 empty inductor cache (TORCHINDUCTOR_CACHE_DIR, a fresh folder), the warm run reuses what the cold run
 left there, as a second run on the same machine does.
 
-    python benchmarks/mnist_speed.py --data-dir data --plot docs/images/mnist_speed_cpu.png
+    python benchmarks/mnist_speed.py --data-dir data --plot images/mnist_speed_cpu.png
 """
 import argparse
 import os
@@ -22,10 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from plotting import bar_chart, where_measured
+
 from common.cli import mnist_parser
 from common.distributed import processes_for_this_machine, processes_note
 from common.mnist import RAW_FILES
-from plotting import bar_chart, where_measured
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+from plotting import bar_chart, where_measured
 
 from common.distributed import processes_for_this_machine, processes_note
-from plotting import bar_chart, where_measured
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("the a man woman people child dog group of in on at with is are was were not no some two three "

@@ -18,7 +18,7 @@ the plan's overlap rule. gloo's reduce-scatter is a whole all-reduce (common/les
 told so. It lives among the benchmarks because it starts processes and reuses sharded_memory.py;
 planner.plan itself stays an instant calculator.
 
-    python benchmarks/plan_check.py --plot docs/images/plan_check_cpu.png        # about 2 minutes of CPU time
+    python benchmarks/plan_check.py --plot images/plan_check_cpu.png        # about 2 minutes of CPU time
 """
 import argparse
 import statistics
@@ -26,11 +26,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from sharded_memory import RUNS, measure
 
 from common.machine import machine_name
-from planner.plan import GPU, Link, Model, model_of_config, plan, step_flops
 from common.spawn import run_in_process_group
-from sharded_memory import RUNS, measure
+from planner.plan import GPU, Link, Model, model_of_config, plan, step_flops
 
 PARTS = ("params", "grads", "optimizer")
 

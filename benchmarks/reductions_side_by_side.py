@@ -28,11 +28,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.lessons.batch_norm import AllRanksBatchNorm2d, BatchNormNet
 from common.gather import sum_across_ranks
-from common.spawn import run_in_process_group
+from common.lessons.batch_norm import AllRanksBatchNorm2d, BatchNormNet
 from common.lessons.token_loss import accumulate, token_loss_sum
 from common.lessons.zero import ZeRO
+from common.spawn import run_in_process_group
 
 PER_RANK = 4  # samples (or images) per rank
 MICRO_BATCHES, SEQUENCES, VOCAB = 2, 2, 16  # per rank: micro-batches of SEQUENCES padded sequences

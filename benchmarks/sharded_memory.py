@@ -18,7 +18,7 @@ copy with the two moments; these wrappers train in fp32.)
 Sizes are in binary units, as the table's header line says: MiB = 2**20 bytes (KiB = 2**10 for a
 model too small for MiB), in the table, the peak and the plot alike.
 
-    python benchmarks/sharded_memory.py --model path/to/all-MiniLM-L6-v2/model --plot docs/images/sharded_memory_cpu.png
+    python benchmarks/sharded_memory.py --model path/to/all-MiniLM-L6-v2/model --plot images/sharded_memory_cpu.png
 """
 import argparse
 import gc
@@ -31,10 +31,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.fsdp import fully_shard_blocks
-from common.memory import optimizer_tensors, storage_bytes
-from planner.plan import memory_bytes
-from common.spawn import run_in_process_group
 from common.lessons.zero import ZeRO
+from common.memory import optimizer_tensors, storage_bytes
+from common.spawn import run_in_process_group
+from planner.plan import memory_bytes
 
 RUNS = {"DDP": "ddp", "ZeRO-1": "zero1", "ZeRO-2": "zero2", "ZeRO-3": "zero3", "FSDP2": "fsdp"}  # -> planner.plan's
 MiB, KiB = 2**20, 2**10  # the table's and the plot's units; /proc's VmRSS and VmHWM count KiB too

@@ -8,8 +8,8 @@ The three ways are in common/lessons/uneven.py; each runs in fresh gloo processe
 import argparse
 
 from common.cli import positive_int
-from common.spawn import run_in_process_group
 from common.lessons.uneven import HOW, train_uneven
+from common.spawn import run_in_process_group
 
 
 def main():

@@ -1,4 +1,4 @@
-"""torch.compile as one flag, --compile [BACKEND], and one sentence where it cannot work.
+"""torch.compile behind one flag, --compile [BACKEND] (common/cli.py), and one sentence where it cannot work.
 
 The scripts compile after the DDP wrap (torch.compile(DDP(model))), the order torch's DDP notes give,
 which also leaves model.module the plain model for evaluation and saving. Either order splits the
@@ -8,7 +8,6 @@ applies DDPOptimizer to whatever it compiles while a DDP forward is running
 (DistributedDataParallel._get_active_ddp_module(), checked in torch/_dynamo/convert_frame.py), and in
 DDP(torch.compile(model)) the compiled model runs inside DDP's forward too.
 """
-import argparse
 import os
 import shutil
 import sys
@@ -19,18 +18,8 @@ import torch
 
 from common.distributed import accelerator_type
 
-BACKENDS = ("inductor", "aot_eager", "eager")
 COMPILERS = ("g++", "clang++", "c++")  # what inductor's C++ builder looks for on the PATH (CPU kernels)
 C_COMPILERS = ("gcc", "clang")  # what Triton builds its kernel launchers with (GPU kernels), unless $CC names one
-
-
-def add_compile_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--compile", nargs="?", const="inductor", choices=BACKENDS, metavar="BACKEND",
-                        help="torch.compile the model with BACKEND: inductor (the default: generated, fused C++ or "
-                             "Triton kernels; needs a C++ compiler), aot_eager (the same captured forward and backward "
-                             "graphs, run by eager kernels: the lesson without the code generation), eager (the "
-                             "captured forward only); without the flag the model runs eagerly")
-    return parser
 
 
 def check_backend(backend: str, kind: str | None = None, environ=os.environ,

@@ -12,7 +12,6 @@ rules surprise a reader coming from DDP, and this module states each once:
     it off, so floating-point inputs must come in the weights' dtype (input_dtype). The CPU has no fp16:
     common.precision refuses it.
 """
-import argparse
 import json
 import re
 import shutil
@@ -22,9 +21,8 @@ from pathlib import Path
 import torch
 
 from common.checkpoint import KEEP, checkpoints_in
+from common.cli import DEFAULT_STAGE, STAGES
 
-STAGES = (0, 1, 2, 3)
-DEFAULT_STAGE = 3
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 TAG = re.compile(r"step-(\d+)")  # the rungs' checkpoint tags: DeepSpeed itself keeps every tag it saves
 
@@ -37,16 +35,6 @@ def require_deepspeed():
         sys.exit("error: this script needs DeepSpeed, which is not installed: "
                  "pip install -e '.[deepspeed]' (or pip install deepspeed==0.19.8).")
     return deepspeed
-
-
-def add_deepspeed_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--zero-stage", type=int, choices=STAGES, default=None,
-                        help=f"ZeRO stage: 0 plain data parallelism, 1 optimizer state sharded, 2 + gradients, "
-                             f"3 + parameters (default: the config file's, else {DEFAULT_STAGE})")
-    parser.add_argument("--deepspeed-config", type=Path, default=None, metavar="JSON",
-                        help="a DeepSpeed config whose keys are laid over the one the flags make")
-    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher appends it; LOCAL_RANK says the same
-    return parser
 
 
 def deepspeed_config(args, world_size: int, precision: str, max_grad_norm: float = 0.0) -> dict:

@@ -11,7 +11,6 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch._dynamo  # noqa: F401  before any process group exists: see the note below
@@ -74,13 +73,8 @@ def require_launcher(script: str, environ=os.environ) -> Launch:
 
 
 def accelerator_type() -> str | None:
-    """"cuda", "xpu", "mps" (or another kind torch knows): the accelerator this process sees; None without one.
-
-    torch.accelerator (torch 2.6 and later) knows every kind; before it, CUDA is the only one looked for.
-    """
-    if hasattr(torch, "accelerator"):
-        return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
-    return "cuda" if torch.cuda.is_available() else None
+    """"cuda", "xpu", "mps" (or another kind torch knows): the accelerator this process sees; None without one."""
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
 
 
 def accelerator_count(kind: str | None = None) -> int:
@@ -145,27 +139,22 @@ def processes_note(processes: int, global_batch: int, gpu_count: int | None = No
 
 def backend_for(device: torch.device) -> str:
     """The process-group backend that moves this device's tensors: nccl for CUDA, xccl for XPU, gloo for
-    the CPU, as torch's own table has it (torch 2.6 and later; before it, CUDA or the CPU)."""
-    if hasattr(dist, "get_default_backend_for_device"):
-        return dist.get_default_backend_for_device(device)
-    return "nccl" if device.type == "cuda" else "gloo"
+    the CPU, as torch's own table has it."""
+    return dist.get_default_backend_for_device(device)
 
 
-def init_process_group(launch: Launch, device: torch.device, timeout_s: float) -> None:
-    """dist.init_process_group with a timeout, so a peer that never arrives ends the run with a message.
+@contextlib.contextmanager
+def exit_if_peers_missing(launch: Launch, timeout_s: float):
+    """Around dist.init_process_group and the start-up barrier: a peer that never arrives ends the run in one
+    sentence, not in a traceback on every rank.
 
-    NCCL connects lazily, at the first collective: device_id binds the group to this process's GPU
-    (and connects it now), and the start-up barrier makes a missing peer show up here, with this
-    message, on gloo and on NCCL where torch enforces Work.wait's timeout (before torch 2.6 only with
-    TORCH_NCCL_BLOCKING_WAIT=1; otherwise NCCL's watchdog ends the process after the same timeout).
+    After the timeout torch raises a RuntimeError (DistStoreError from the rendezvous, DistBackendError from
+    the barrier's Work.wait, which on NCCL too blocks and raises when given a timeout); this names the rank,
+    the group's size and what to check. Rank 0 also warns where torchrun restarts workers into its shared
+    store, where they can find dead peers' addresses (stale_store_hint).
     """
-    if device.type != "cpu":
-        torch.get_device_module(device).set_device(device)
     try:
-        dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,
-                                timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type != "cpu" else None)
-        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+        yield
     except (RuntimeError, ValueError) as error:  # DistStoreError and DistNetworkError are RuntimeErrors
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         sys.exit(f"error: rank {launch.rank} could not join a process group of {launch.world_size} "

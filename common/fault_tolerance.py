@@ -1,6 +1,6 @@
 """What the fault-tolerant rungs share (src/ch4/fault_tolerant/): torchft, or one sentence where it is missing; the
-replica group's flags; the batch of a step; and the per-step log and the summary that the tests and the figure read."""
-import argparse
+replica group's checks (its flags are common/cli.py's add_fault_tolerance_flags); the batch of a step; and the per-step
+log and the summary that the tests and the figure read."""
 import contextlib
 import json
 import os
@@ -11,8 +11,6 @@ from pathlib import Path
 
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
-
-from common.cli import positive_float, positive_int
 
 INSTALL = ("pip install torchft==0.2.0 (Linux, Python 3.10 to 3.12, torch 2.7 or newer), or pip install -e '.[ft]' "
            "in this repository")
@@ -26,28 +24,6 @@ def require_torchft():
     except ImportError as error:
         sys.exit(f"error: the fault-tolerant rungs need torchft, which this Python cannot import ({error}): {INSTALL}.")
     return torchft
-
-
-def add_fault_tolerance_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Which replica group this is, where the lighthouse is, how long to wait for it, and what to write."""
-    environ = os.environ
-    parser.add_argument("--max-steps", type=positive_int,
-                        help="optimizer steps the job takes, counted by the quorum (default: --epochs epochs)")
-    parser.add_argument("--group", type=int, default=int(environ.get("REPLICA_GROUP_ID", 0)),
-                        help="this replica group's number, 0 .. --groups - 1 (default: $REPLICA_GROUP_ID, else 0)")
-    parser.add_argument("--groups", type=positive_int, default=int(environ.get("NUM_REPLICA_GROUPS", 1)),
-                        help="replica groups the training set is split over (default: $NUM_REPLICA_GROUPS, else 1)")
-    parser.add_argument("--lighthouse", default=environ.get("TORCHFT_LIGHTHOUSE"),
-                        help="the lighthouse's address, http://HOST:PORT (default: $TORCHFT_LIGHTHOUSE)")
-    parser.add_argument("--quorum-timeout", type=positive_float, default=60,
-                        help="seconds to reach the lighthouse, and to wait for a quorum of its --min_replicas groups "
-                             "(default: 60)")
-    parser.add_argument("--save", type=Path, help="write the trained weights (a state dict) to this file")
-    parser.add_argument("--summary", type=Path, help="write the run's summary (JSON) to this file")
-    parser.add_argument("--step-log", type=Path,
-                        help="append one JSON line per step: time, group, step, participants, committed (the step moved on), "
-                             "healed (not --log: torchrun takes that)")
-    return parser
 
 
 def check_group(args, launch, script: str, one_process: bool = True) -> None:

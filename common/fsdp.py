@@ -1,17 +1,9 @@
-"""FSDP2's fully_shard and MixedPrecisionPolicy under one import for every supported torch, and the
-wrapping policy of the sharded chapter for any transformers model.
+"""The sharded chapter's wrapping policy for any transformers model: fully_shard on each block, then on the root.
 
-torch 2.6 made them public in torch.distributed.fsdp; torch 2.4 and 2.5 ship the same ones in
-torch.distributed._composable.fsdp.
+FSDP2's fully_shard and MixedPrecisionPolicy are torch's own: the scripts import them from torch.distributed.fsdp.
 """
 import torch.nn as nn
-
-try:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-except ImportError:  # torch < 2.6
-    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
-
-__all__ = ["MixedPrecisionPolicy", "fully_shard", "fully_shard_blocks", "transformer_blocks"]
+from torch.distributed.fsdp import fully_shard
 
 BLOCK_LISTS = ("encoder.layer", "layers", "h", "decoder.layers")  # BERT; Llama, Mistral; GPT-2; BART's decoder
 

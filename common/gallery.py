@@ -4,22 +4,28 @@ Each program plants one bug; `--fixed` runs its fixed twin. The process group's 
 (10 s), so a program that hangs ends within seconds with a message instead of waiting 30 minutes.
 """
 import argparse
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
-from common.distributed import Launch, device_for, init_process_group, require_launcher
+from common.cli import gallery_parser
+from common.distributed import Launch, backend_for, device_for, exit_if_peers_missing, require_launcher
 
 
 def start(doc: str, script: str) -> tuple[argparse.Namespace, Launch, torch.device]:
-    """Parse --fixed and --timeout, join the process group; return the flags, the launch and the device."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fixed", action="store_true", help="run the fixed twin instead of the planted bug")
-    parser.add_argument("--timeout", type=float, default=10,
-                        help="seconds a collective waits for its peers before the run ends (default: 10)")
-    args = parser.parse_args()
+    """Parse --fixed and --timeout, join the process group as the DDP rungs do; return the flags, the launch
+    and the device."""
+    args = gallery_parser(doc).parse_args()
     launch = require_launcher(script)
     device = device_for(launch)
-    init_process_group(launch, device, args.timeout)
+    timeout = timedelta(seconds=args.timeout)
+    if device.type != "cpu":
+        torch.get_device_module(device).set_device(device)
+    with exit_if_peers_missing(launch, args.timeout):
+        dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, device_id=device if device.type != "cpu" else None)
+        dist.barrier(async_op=True).wait(timeout=timeout)
     return args, launch, device
 
 

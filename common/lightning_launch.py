@@ -3,7 +3,7 @@
 Lightning reads torchrun's and SLURM's variables itself and raises deep inside fit() when the
 Trainer's numbers disagree with them: under torchrun devices x num_nodes must equal WORLD_SIZE, under
 srun devices must equal --ntasks-per-node and num_nodes --nodes. So --devices and --num-nodes default
-to what the launcher started, and a disagreement, or a launch Lightning would misread, stops with one
+to what the launcher started (common/cli.py's add_lightning_flags), and a disagreement, or a launch Lightning would misread, stops with one
 sentence before the Trainer exists. Started with plain python, --devices is how many processes
 Lightning starts on this node (auto: every GPU, or one CPU process).
 """
@@ -12,7 +12,6 @@ import sys
 
 import torch
 
-from common.cli import positive_int
 from common.distributed import accelerator_type, detect_launch
 
 # SLURMEnvironment.detect() treats a job with one of these names as an interactive shell and ignores
@@ -30,24 +29,6 @@ def lightning_accelerator(kind: str | None = None) -> str:
               f"the CPU; python src/ch4/mnist_1_single.py trains on the {kind.upper()} device.", file=sys.stderr)
         return "cpu"
     return "auto"
-
-
-def devices_flag(text: str):
-    """--devices: a positive whole number, or auto as Lightning reads it."""
-    return text if text == "auto" else positive_int(text)
-
-
-def add_trainer_flags(parser, environ=os.environ):
-    """--devices and --num-nodes, with defaults read from torchrun's or srun's variables."""
-    launch = detect_launch(environ)
-    launched = launch.launcher != "python"
-    parser.add_argument("--devices", type=devices_flag, default=launch.local_world_size if launched else "auto",
-                        help="processes per node: under torchrun or srun, what they started (the default); with "
-                             "plain python, how many Lightning starts (auto: every GPU, or one CPU process)")
-    parser.add_argument("--num-nodes", type=positive_int,
-                        default=launch.world_size // launch.local_world_size if launched else 1,
-                        help="nodes; under torchrun or srun, what they started (the default)")
-    return parser
 
 
 def check_launch(devices: int | str, num_nodes: int, environ=os.environ, gpu_count: int | None = None) -> None:

@@ -120,7 +120,7 @@ def torchvision_splits(data_dir: str, loader: str) -> tuple[Dataset, Dataset]:
                  f"--data-dir with a folder that holds MNIST/raw/*-ubyte, e.g. --data-dir path/to/folder.")
 
 
-def make_loader(dataset: Dataset, batch_size: int, sampler, num_workers: int = 0, generator=None) -> DataLoader:
+def mnist_loader(dataset: Dataset, batch_size: int, sampler, num_workers: int = 0, generator=None) -> DataLoader:
     """A DataLoader over either form of the dataset; the sampler decides which indices this process sees.
 
     Each iter() of a DataLoader draws a seed for its workers from `generator`, or from the global RNG

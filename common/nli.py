@@ -17,44 +17,14 @@ import transformers
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
-from common.cli import positive_float, positive_int, training_parser
 from common.distributed import pin_memory, print0
 
 LABELS = ("entailment", "neutral", "contradiction")
-DEFAULT_MODEL = "bert-base-cased"
-DEFAULT_DATASET = "nyu-mll/multi_nli"
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
 SPLIT_WORDS = {"train": "train", "training": "train", "dev": "validation", "validation": "validation",
                "valid": "validation", "val": "validation", "test": "test", "testing": "test"}
 # a split word at the start of the name or after a separator, then whatever follows: "_matched"
 SPLIT_IN_NAME = re.compile(rf"(?:^|[-_. ])({'|'.join(SPLIT_WORDS)})((?:[-_][a-z]+)*)$")
-
-
-def nli_parser(doc: str, precision: bool = True, lr: float = 5e-5, max_steps: int | None = None):
-    """The shared flags with this chapter's defaults (global batch 32, AdamW 5e-5, every step of --epochs),
-    and the NLI ones; the minimal scripts pass their own lr and max_steps, so that --help prints them."""
-    parser = training_parser(doc, batch_size=32, eval_batch_size=64, lr=lr, precision=precision)
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"hub name or local folder with config, weights and tokenizer (default: {DEFAULT_MODEL})")
-    parser.add_argument("--dataset", default=DEFAULT_DATASET,
-                        help="hub name; a .jsonl/.json/.csv/.tsv/.parquet file; a folder of such files named after "
-                             "their split (train.jsonl, validation_matched.jsonl; MultiNLI's multinli_1.0_*.jsonl "
-                             "and GLUE's train.tsv, dev_matched.tsv too); or a folder from Dataset.save_to_disk "
-                             f"(default: {DEFAULT_DATASET})")
-    parser.add_argument("--eval-split", choices=["split", "validation_matched"], default="split",
-                        help="split: hold out 10%% of train (train_test_split, seed 42); "
-                             "validation_matched: the official matched validation set")
-    parser.add_argument("--max-train-samples", type=positive_int, help="use only the first N training pairs")
-    parser.add_argument("--max-eval-samples", type=positive_int, help="evaluate on the first N pairs only")
-    parser.add_argument("--max-steps", type=positive_int, default=max_steps,
-                        help="stop training after this many optimizer steps "
-                             f"(default: {max_steps or 'every step of --epochs'})")
-    parser.add_argument("--max-length", type=positive_int, default=128, help="truncate each pair to this many tokens")
-    parser.add_argument("--max-grad-norm", type=positive_float, default=1.0,
-                        help="scale the gradient down to this total 2-norm when it is larger, the norm over the whole "
-                             "model after averaging over the processes; fine-tuning customarily clips at 1.0, "
-                             "inf turns clipping off (default: 1.0)")
-    return parser
 
 
 # transformers 4.56 renamed torch_dtype to dtype; since 5, leaving it out loads the dtype the folder was saved in
@@ -186,9 +156,9 @@ def tokenize_pairs(dataset, tokenizer, max_length: int):
     return encoded.rename_column("label", "labels")  # lists of ids: the collator pads them into tensors
 
 
-def make_loader(dataset, tokenizer, batch_size: int, sampler, generator=None) -> DataLoader:
+def nli_loader(dataset, tokenizer, batch_size: int, sampler, generator=None) -> DataLoader:
     """Batches padded to their own longest pair (DataCollatorWithPadding), not to max_length.
-    generator: see common.mnist.make_loader."""
+    generator: see common.mnist.mnist_loader."""
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=DataCollatorWithPadding(tokenizer),
                       generator=generator, pin_memory=pin_memory())
 

@@ -5,18 +5,20 @@ The rule for auto, per device type (torch.accelerator has none):
     T4) only emulate bf16, so auto means fp16 with loss scaling there, as users of those cards expect.
   - XPU and MPS: bf16 where torch says the device supports it, else fp32.
   - CPU: bf16 with AMX or AVX512-BF16 units; without them oneDNN emulates it and a step gets several
-    times slower, so fp32.
+    times slower, so fp32. An explicit --precision bf16 there trains in bf16 all the same, after one
+    line on stderr that says so.
 fp16 needs a GradScaler, so that small gradients do not underflow: it is offered on the devices whose
 GradScaler torch has (CUDA, XPU, MPS), not on the CPU. fp32 means fp32: cuDNN's convolutions would
 otherwise run in TF32 on Ampere and newer GPUs (its default), with a 10-bit mantissa.
 """
 import os
+import platform
 import sys
 
 import torch
 import torch.nn as nn
 
-from common.distributed import accelerator_type
+from common.distributed import accelerator_type, detect_launch
 
 AUTO_HELP = ("autocast dtype; auto = bf16 where the hardware has it natively (GPUs of compute capability >= 8.0, "
              "XPU and MPS devices that support it, CPUs with AMX/AVX512-BF16), fp16 with loss scaling on older "
@@ -35,22 +37,37 @@ def auto_precision(device: torch.device, capability: tuple[int, int] | None = No
 
 
 def device_has_bf16(device: torch.device) -> bool:
-    """bf16 units on this CPU (oneDNN's check), or bf16 support on this XPU or MPS device (torch's)."""
+    """bf16 units on this CPU (cpu_has_bf16), or bf16 support on this XPU or MPS device (torch's)."""
     if device.type == "cpu":
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return cpu_has_bf16()
     supported = getattr(torch.get_device_module(device), "is_bf16_supported", None)
     if supported is not None:
         return supported()
     return device.type == "mps" and torch.backends.mps.is_macos_or_newer(14, 0)
 
 
-def resolve_precision(requested: str, device: torch.device) -> str:
-    """The precision a run uses: auto resolved by the rule above; fp16 refused where there is no GradScaler."""
+def cpu_has_bf16() -> bool:
+    """bf16 units: AVX512-BF16 or AMX on x86, where oneDNN's own check (torch.ops.mkldnn._is_mkldnn_bf16_supported)
+    also passes on AVX-512 CPUs without them, which only emulate bf16; oneDNN's check elsewhere (Arm's BF16 extension)."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def resolve_precision(requested: str, device: torch.device, has_bf16: bool | None = None) -> str:
+    """The precision a run uses: auto resolved by the rule above; fp16 refused where there is no GradScaler;
+    bf16 on a CPU without bf16 units kept, with one line from rank 0 saying it is slow there (has_bf16
+    defaults to this CPU's)."""
     if requested == "auto":
-        requested = auto_precision(device)
+        requested = auto_precision(device, has_bf16=has_bf16)
     if requested == "fp16" and device.type not in FP16_DEVICES:
         sys.exit(f"error: --precision fp16 needs a GPU (CUDA, XPU or MPS) for its loss scaling; on the "
                  f"{device.type.upper()} use --precision bf16 or fp32.")
+    if requested == "bf16" and device.type == "cpu" and not (cpu_has_bf16() if has_bf16 is None else has_bf16) \
+            and detect_launch().rank == 0:
+        print("warning: this CPU has no bf16 units (AVX512-BF16 or AMX), so bf16 is emulated here and runs several "
+              "times slower than fp32; training in bf16 as asked (--precision auto picks fp32 here)",
+              file=sys.stderr, flush=True)
     if requested == "fp32":
         torch.backends.cudnn.allow_tf32 = False  # cuDNN's default runs fp32 convolutions in TF32
     return requested

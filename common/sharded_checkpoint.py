@@ -8,7 +8,10 @@ module adds to common/checkpoint.py, which does the rest (random state per rank,
 fingerprint and world size, the last KEEP kept, the newest that loads):
   - a checkpoint is a folder, complete or absent: dcp.save writes step-N.tmp/ (each file fsynced),
     rank 0 adds meta.pt (position, world size, fingerprint, device, every rank's random state)
-    atomically, fsyncs the folder, renames it to step-N/ and fsyncs the parent;
+    atomically, fsyncs the folder, renames it to step-N/ and fsyncs the parent. Saved again at the
+    same step, the old step-N/ is first renamed aside to step-N.old/ and deleted only once the new one
+    is in place, so a kill at any point leaves a complete step-N/ or step-N.old/, which rank 0 puts
+    back before it picks a checkpoint (a folder cannot be renamed over another in one step);
   - loading: rank 0 picks the newest folder whose meta.pt loads and whose shard files are all there
     at the sizes .metadata lists; after the fingerprint and world-size checks, dcp.load reads into
     the state dicts of this run's model and optimizer, each rank its own pieces, in place.
@@ -43,13 +46,34 @@ class ShardedCheckpoints(Checkpoints):
         if rank() == 0:
             write_atomically(metadata, temporary / METADATA)
             fsync_folder(temporary)
-            if path.exists():  # saved again at the same step (the end of training): the same state
-                shutil.rmtree(path)
+            self._put_back_aside()  # left by a kill during an earlier save at the same step
+            aside, replaced = path.with_name(path.name + ".old"), path.exists()
+            if replaced:  # saved again at the same step (the end of training): the same state
+                path.rename(aside)  # from here until the end a complete step-N/ or step-N.old/ is there
+                fsync_folder(path.parent)
             temporary.rename(path)  # one rename: the folder appears whole
             fsync_folder(path.parent)
+            if replaced:
+                shutil.rmtree(aside)
 
     def _delete(self, path: Path) -> None:
         shutil.rmtree(path)
+
+    def _put_back_aside(self) -> None:
+        """After a kill during _write's swap: step-N.old/ back to step-N/ where that is missing, else removed."""
+        for aside in self.folder.glob("step-*.old"):
+            path = aside.with_name(aside.name.removesuffix(".old"))
+            if path.exists():
+                shutil.rmtree(aside)
+            else:
+                print(f"warning: putting back {aside} as {path.name}: a save at the same step did not finish",
+                      file=sys.stderr)
+                aside.rename(path)
+                fsync_folder(self.folder)
+
+    def _newest_that_loads(self) -> tuple[dict | None, str | None]:
+        self._put_back_aside()  # a step-N.old/ may be the only step-N there is
+        return super()._newest_that_loads()
 
     def _read(self, path: Path) -> dict:
         """meta.pt, once the folder's shards are known to be all there."""

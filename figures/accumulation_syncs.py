@@ -6,16 +6,16 @@ common.lessons.accumulation.count_all_reduces's communication hook records, for 
 how many forward passes had run: the micro-batch it belongs to. tests/test_accumulation.py takes
 the same counts and checks the totals.
 
-    python figures/accumulation_syncs.py        # docs/images/accumulation_syncs.svg
+    python figures/accumulation_syncs.py        # images/accumulation_syncs.svg
 """
 import torch
 import torch.nn.functional as F
+from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.lessons import accumulation
 from common.mnist import BasicNet
 from common.spawn import run_in_process_group
-from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
 MICRO_BATCHES, SAMPLES = 4, 3  # micro-batches per optimizer step, samples in each (per process)
 VARIANTS = {"sync every micro-batch (baseline)": "sync_every_micro_batch",

@@ -6,17 +6,17 @@ algorithm, stacked to fit a 720-px page column: each arrow is one sender -> rece
 diagram, the pairs' messages (once, where every arrow carries the same), the bytes each rank sent and
 the cost model's bytes for the busiest rank (common.lessons.allreduce.bytes_sent_per_rank). MiB = 2**20 bytes.
 
-    python figures/allreduce_algorithms.py      # docs/images/allreduce_algorithms.svg
+    python figures/allreduce_algorithms.py      # images/allreduce_algorithms.svg
 """
 import math
 import textwrap
 
 import torch
 import torch.distributed as dist
+from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
 from common.lessons.allreduce import ALGORITHMS, bytes_sent_per_rank, recording_sends
 from common.spawn import run_in_process_group
-from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
 WORLD_SIZE, SIZE_BYTES = 4, 4 * 2**20
 TITLES = {"reduce_broadcast": "reduce + broadcast", "all_to_all": "all-to-all", "ring": "ring"}

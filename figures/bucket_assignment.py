@@ -11,17 +11,17 @@ its buckets in the order the gradients really arrived, with a 1 MiB first bucket
 closing a bucket once it reaches the cap. DDP's own _get_ddp_logging_data() (bucket_sizes,
 rebuilt_bucket_sizes) is recorded beside it, and the tests check that both agree.
 
-    python figures/bucket_assignment.py         # docs/images/bucket_assignment.svg
+    python figures/bucket_assignment.py         # images/bucket_assignment.svg
 """
 import torch
 import torch.nn.functional as F
+from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.lessons.bucketing import BucketedDataParallel
 from common.mnist import BasicNet
 from common.spawn import run_in_process_group
-from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
 # tests/nli_files.py's tiny BERT (31 tokens in its vocabulary); tests/test_figures.py checks they agree
 TINY_BERT = {"vocab_size": 31, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,

@@ -11,20 +11,20 @@ Compiled, both happen inside inductor's generated kernels, fused with the arithm
 and the two segments are (near) zero. The compile itself happens in the warm-up steps, not shown.
 Bars: the median over the profiled steps.
 
-    python figures/compile_breakdown.py       # docs/images/compile_breakdown.png
+    python figures/compile_breakdown.py       # images/compile_breakdown.png
     python figures/compile_breakdown.py --toy # seconds: 2 steps, aot_eager instead of inductor
 """
 import statistics
 
 import torch
 import torch.nn.functional as F
+from style import COLORS, IMAGES, parser, plt, save, stacked_milliseconds
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from common.compile import compiled
 from common.machine import machine_name
 from common.mnist import BasicNet
 from common.precision import auto_precision, autocast
-from style import COLORS, IMAGES, parser, plt, save, stacked_milliseconds
 
 SEGMENTS = ["dropout masks", "dtype casts", "forward, the rest", "backward, the rest", "optimizer"]
 KINDS = {"dropout masks": "aten::uniform_", "dtype casts": "aten::_to_copy"}

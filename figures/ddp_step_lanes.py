@@ -5,12 +5,11 @@ figures/overlap_timeline.py: backward produces the gradients last layer first, t
 that order, and each full bucket's all-reduce starts while backward goes on with earlier layers;
 only what is still in flight when backward ends delays the optimizer step. Durations are illustrative.
 
-    python figures/ddp_step_lanes.py      # writes docs/images/ddp_step_lanes.svg
+    python figures/ddp_step_lanes.py      # writes images/ddp_step_lanes.svg
 """
 from pathlib import Path
 
 from matplotlib.patches import FancyArrowPatch, Rectangle
-
 from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
 LAYERS = 4

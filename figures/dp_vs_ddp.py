@@ -6,13 +6,13 @@ download, no memory; global batch 32 of 128 tokens). The sizes come from the mod
 the all-reduce bytes from common.lessons.allreduce.bytes_sent_per_rank. The splitting over several GPUs
 cannot be measured on the CPU this repository is tested on, and the figure says so.
 
-    python figures/dp_vs_ddp.py                 # docs/images/dp_vs_ddp.svg, and prints the byte counts as Markdown
+    python figures/dp_vs_ddp.py                 # images/dp_vs_ddp.svg, and prints the byte counts as Markdown
 """
 import torch
+from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
 from common.lessons.allreduce import bytes_sent_per_rank
 from common.mnist import BasicNet
-from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
 GPUS = 4
 

@@ -6,12 +6,11 @@ columns the replicate groups (GPU g of every node holds the same piece and all-r
 with the others, the only traffic between nodes). The layout is init_device_mesh's, rank r at
 (r // S, r % S); tests/test_hsdp.py checks it against a real mesh and the bytes of the SVG.
 
-    python figures/hsdp_mesh.py      # writes docs/images/hsdp_mesh.svg
+    python figures/hsdp_mesh.py      # writes images/hsdp_mesh.svg
 """
 from pathlib import Path
 
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
-
 from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
 REPLICAS, SHARDS = 2, 4  # R nodes of S GPUs

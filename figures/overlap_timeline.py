@@ -14,13 +14,14 @@ time.perf_counter is one clock for all processes of a Linux machine, so the rank
 Drawn for a 720-px page column: buckets in flight together get rows of their own, each numbered left of
 its bar, with room kept for the number.
 
-    python figures/overlap_timeline.py          # docs/images/overlap_timeline.png
+    python figures/overlap_timeline.py          # images/overlap_timeline.png
     python figures/overlap_timeline.py --toy    # seconds: 4 x Linear(256, 256)
 """
 import time
 
 import torch
 import torch.distributed as dist
+from style import COLORS, IMAGES, parser, plt, save
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
@@ -28,7 +29,6 @@ from torch.profiler import record_function
 from common.lessons.bucketing import BucketedDataParallel, linear_stack
 from common.machine import machine_name
 from common.spawn import run_in_process_group
-from style import COLORS, IMAGES, parser, plt, save
 
 CONFIGS = {"ours, one bucket after backward": None, "ours, 1 MB buckets": 1, "ours, 25 MB buckets": 25,
            "torch DDP (bucket_cap_mb=25)": "ddp"}

@@ -5,12 +5,11 @@ step boundary; rank 0 writes a temporary file, fsyncs it and renames it, so that
 step-N.pt is always complete; the job exits and comes back (SLURM requeue or a torchrun restart); the
 newest checkpoint that loads is restored and the epoch continues at the next unseen batch.
 
-    python figures/resume_sequence.py      # writes docs/images/resume_sequence.svg
+    python figures/resume_sequence.py      # writes images/resume_sequence.svg
 """
 from pathlib import Path
 
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
-
 from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
 STEPS = [  # what happens, where in the code; one color per actor

@@ -6,14 +6,14 @@ the digits of every partial sum say which ranks it already contains (2020: ranks
 step; the drawing takes which chunk each rank sent and received from the same ring_schedule the
 implementation follows. Writes a static SVG (all steps side by side) and an animated GIF (one step a frame).
 
-    python figures/ring_allreduce.py            # docs/images/ring_allreduce.svg and docs/images/ring_allreduce.gif
+    python figures/ring_allreduce.py            # images/ring_allreduce.svg and images/ring_allreduce.gif
 """
 import torch
 import torch.distributed as dist
+from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
 from common.lessons.allreduce import ring_all_reduce, ring_schedule
 from common.spawn import run_in_process_group
-from style import COLORS, IMAGES, parser, plt, save, stable_svg_style
 
 WORLD_SIZE = 4
 PHASE_COLOR = {"reduce-scatter": COLORS[1], "all-gather": COLORS[2]}

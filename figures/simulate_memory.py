@@ -12,12 +12,12 @@ one sequence of 2,048 tokens per rank, fp32, under the fake backend.
     python figures/simulate_memory.py        # the figure, at full size: a few minutes
     python figures/simulate_memory.py --toy  # seconds: a 2-layer model, 1 and 8 ranks
 """
+from style import COLORS, IMAGES, parser, plt, save
 from transformers import LlamaConfig
 
 from common.machine import machine_name
 from planner.plan import STRATEGIES as NAMES
 from planner.simulate import STRATEGIES, Case, gathered_and_buffers, simulate
-from style import COLORS, IMAGES, parser, plt, save
 
 SHAPES = {
     "default": {"num_hidden_layers": 16, "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,

@@ -14,20 +14,20 @@ Bars: the median over the profiled steps, averaged over the two ranks. bucket_ca
 (2**20 bytes): the bars say "1 MiB buckets"; the recording keeps overlap_timeline's configuration
 names ("1 MB"), which the tests read.
 
-    python figures/step_time_breakdown.py       # docs/images/step_time_breakdown.png
+    python figures/step_time_breakdown.py       # images/step_time_breakdown.png
     python figures/step_time_breakdown.py --toy # seconds: 4 x Linear(256, 256), 2 steps
 """
 import statistics
 
 import torch
 import torch.distributed as dist
+from overlap_timeline import CONFIGS, SIZES, step, wrap
+from style import COLORS, IMAGES, parser, plt, save, stacked_milliseconds
 from torch.profiler import ProfilerActivity, profile
 
 from common.lessons.bucketing import linear_stack
 from common.machine import machine_name
 from common.spawn import run_in_process_group
-from overlap_timeline import CONFIGS, SIZES, step, wrap
-from style import COLORS, IMAGES, parser, plt, save, stacked_milliseconds
 
 CONFIGURATIONS = {"each process alone (no communication)": "alone", **CONFIGS}
 PHASES = ["forward", "backward", "exposed communication", "optimizer"]

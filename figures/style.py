@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display needed
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
+IMAGES = Path(__file__).resolve().parent.parent / "images"
 COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd"]
 
 
@@ -34,7 +34,7 @@ def save(fig, *paths) -> None:
 
 
 def parser(doc: str, default: Path, toy: bool = False) -> argparse.ArgumentParser:
-    """--out (default: the file in docs/images/) and, for measured figures, --toy (the small size the tests run)."""
+    """--out (default: the file in images/) and, for measured figures, --toy (the small size the tests run)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=default, help=f"where to write (default: {default.relative_to(IMAGES.parent)})")
     if toy:

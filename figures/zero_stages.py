@@ -4,12 +4,11 @@ Each rank holds three bars: parameters (4Ψ bytes in fp32), gradients (4Ψ) and 
 (8Ψ), drawn to scale and cut into 4 shards. A filled shard is held by that rank, an empty one is not.
 The SVG is byte-stable (fixed hash salt, no date), so tests/test_figures.py redraws it and compares.
 
-    python figures/zero_stages.py      # writes docs/images/zero_stages.svg and docs/images/zero_stages.png
+    python figures/zero_stages.py      # writes images/zero_stages.svg and images/zero_stages.png
 """
 from pathlib import Path
 
 from matplotlib.patches import Rectangle
-
 from style import IMAGES, parser, plt, save, stable_svg_style
 
 RANKS = 4

@@ -27,7 +27,7 @@ at a stated model FLOPs utilisation (MFU) of the GPU's peak. Communication is th
 common.lessons.allreduce.bytes_sent_per_rank, plus one latency per ring step: an all-reduce of S bytes sends
 2(N−1)/N·S per rank in 2(N−1) steps, a reduce-scatter or an all-gather half of that. The latency is paid
 once per collective, and a step issues several: DDP one per gradient bucket (torch's 1 MiB first bucket,
-then 25 MiB), ZeRO and FSDP one per sharded unit (a transformer block each, plus the root). What overlap hides
+then 25 MiB; three with PowerSGD), ZeRO and FSDP one per sharded unit (a transformer block each, plus the root). What overlap hides
 is the Ultra-Scale Playbook's condition: a gradient reduction issued during backward is hidden as far
 as backward lasts (DDP, ZeRO-2), ZeRO-3/FSDP's prefetched gathers and reductions as far as the whole
 forward and backward last; ZeRO-1's reductions and the all-gather after the step are exposed.
@@ -104,6 +104,7 @@ class Model:
     root_params: int | None = None  # outside every block: embeddings, final norm, pooler, head
     end_params: tuple[int, int] | None = None  # the input embedding's and the output head's (0 if none)
     vocab: int | None = None  # a language model's: its logits, one per token and word
+    built: str | None = None  # the class counted, for a transformers config (head_class's choice)
 
 
 class PlanError(ValueError):
@@ -163,6 +164,12 @@ def ring_seconds(kind: str, size_bytes: float, ranks: int, link: Link, pieces: i
     return pieces * steps * link.latency + fraction * bytes_sent_per_rank("ring", size_bytes, ranks) / link.bandwidth
 
 
+def all_reduces_per_bucket(compression: str) -> int:
+    """What DDP's hook issues per gradient bucket: one all-reduce, or powerSGD_hook's three once it compresses
+    (the tensors it sends whole, then the Ps, then the Qs; common/lessons/comm_hooks.py registers that hook)."""
+    return 3 if compression.startswith("powersgd") else 1
+
+
 def collectives_per_step(strategy: str, model: "Model", grad_bytes: float) -> int:
     """How many pieces each kind of collective is cut into in one step: DDP's buckets at torch's default
     caps (a 1 MiB first bucket, then 25 MiB); ZeRO and FSDP one per unit, a layer each plus the root."""
@@ -211,7 +218,6 @@ def communication(strategy: str, params: int, gpus: int, per_node: int, precisio
             grads = min(grads, 2 * params)
         elif compression.startswith("powersgd"):  # its own compute, and its effect on accuracy, are left out
             grads = grad_bytes * model.powersgd_numel[int(compression.removeprefix("powersgd"))]
-            pieces *= 2  # two all-reduces per bucket: P, then Q
         return (ring_seconds("all_reduce", grads, gpus, link, pieces), 0.0,
                 f"all-reduce {grads / GB:.3g} GB of gradients")
     if strategy in ("zero1", "zero2"):
@@ -236,7 +242,8 @@ def plan(strategy: str, model: Model, gpus: int, per_node: int, gpu: GPU, intra:
          attention: str = "fused", wrap: str = "blocks") -> Plan:
     """The prediction for one strategy; batch is per GPU. recompute: activation checkpointing, which
     keeps each layer's input only and runs the forward twice (8 FLOPs per parameter per token, not 6).
-    pieces: collectives of each kind per step, where they are known (else collectives_per_step's)."""
+    pieces: collectives of each kind per step (for DDP its buckets, each all-reduced as many times as its hook
+    does), where they are known, else collectives_per_step's."""
     shards = per_node if strategy == "hsdp" else gpus
     parts = memory_bytes(strategy, model.params, shards, precision)
     activations = activation_bytes(model, batch, seq, precision, recompute, attention)
@@ -245,6 +252,8 @@ def plan(strategy: str, model: Model, gpus: int, per_node: int, gpu: GPU, intra:
     peak = gpu.flops_fp32 if precision == "fp32" else gpu.flops_16bit
     compute = step_flops(model, batch * seq, seq) * (4 / 3 if recompute else 1) / (peak * mfu)
     pieces = pieces or collectives_per_step(strategy, model, BYTES_PER_PARAM[precision][1] * model.params)
+    if strategy == "ddp":
+        pieces *= all_reduces_per_bucket(compression)
     during_backward, rest, what = communication(strategy, model.params, gpus, per_node, precision, intra, inter,
                                                 compression, model, gloo, pieces)
     if not overlap or strategy == "zero1":
@@ -270,21 +279,37 @@ def load_config(name: str):
                         "downloaded): pass a local folder holding the model's config.json") from None
 
 
-def head_class(config):
-    """The model a config is trained as here: a causal LM where its architectures name one (with its head,
-    untied or not), else a sequence classifier (the course's BERT task)."""
+HEADS = ("auto", "causal-lm", "sequence-classification")
+
+
+def head_class(config, head: str = "auto"):
+    """The model a config is trained as here: `head`'s, or with auto the head its architectures name (a causal LM,
+    its head untied or not, or a sequence classifier); where they name neither (a config made in code names none),
+    a causal LM for a decoder-only model type (one transformers builds as a causal LM and neither as a masked LM
+    nor as a sequence-to-sequence LM: Llama, GPT-2, not BERT), else a sequence classifier (the course's BERT task)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-    causal = any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in (config.architectures or []))
-    return AutoModelForCausalLM if causal or getattr(config, "is_decoder", False) else AutoModelForSequenceClassification
+    from transformers.models.auto import modeling_auto
+    if head != "auto":
+        return {"causal-lm": AutoModelForCausalLM, "sequence-classification": AutoModelForSequenceClassification}[head]
+    names = config.architectures or []
+    if any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in names) or getattr(config, "is_decoder", False):
+        return AutoModelForCausalLM
+    if any(name.endswith("ForSequenceClassification") for name in names):
+        return AutoModelForSequenceClassification
+    kind = config.model_type
+    decoder_only = kind in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES \
+        and kind not in modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+    return AutoModelForCausalLM if decoder_only else AutoModelForSequenceClassification
 
 
-def model_of_config(config, model_class=None, powersgd_ranks=(1, 4)) -> Model:
+def model_of_config(config, model_class=None, powersgd_ranks=(1, 4), head: str = "auto") -> Model:
     """A transformers config's model (head_class's unless model_class) built on the meta device, counted."""
     import torch
 
     from common.fsdp import transformer_blocks
     with torch.device("meta"):
-        model = (model_class or head_class(config)).from_config(config)
+        model = (model_class or head_class(config, head)).from_config(config)
+    built = type(model).__name__
     params = list(model.parameters())  # a tied parameter once
     embeddings = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
     powersgd = {rank: sum(powersgd_numel(p.shape, rank) for p in params) for rank in powersgd_ranks}
@@ -294,13 +319,13 @@ def model_of_config(config, model_class=None, powersgd_ranks=(1, 4)) -> Model:
     try:
         blocks = [count(block) for block in transformer_blocks(model)]
     except ValueError:  # no blocks it knows: no gathers planned
-        return Model(sum(p.numel() for p in params), embeddings, *shape, powersgd)
+        return Model(sum(p.numel() for p in params), embeddings, *shape, powersgd, built=built)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight  # one parameter: counted with the embedding
     total = sum(p.numel() for p in params)
     vocab = text.vocab_size if head is not None and head.out_features == text.vocab_size else None
     return Model(total, embeddings, *shape, powersgd, max(blocks), total - sum(blocks),
-                 (count(embedding), 0 if tied else count(head)), vocab)
+                 (count(embedding), 0 if tied else count(head)), vocab, built)
 
 
 def positive(kind):
@@ -332,6 +357,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=positive(int), help="parameter count, e.g. 7e9")
     size.add_argument("--model", help="a hub name (from the local cache) or a folder with a config.json")
+    parser.add_argument("--head", choices=HEADS, default="auto",
+                        help="--model's head: auto (default: a causal LM for a decoder-only model type or where the "
+                             "config's architectures name one, else a sequence classifier), causal-lm, "
+                             "sequence-classification")
     parser.add_argument("--gpus", type=positive(int), default=8, help="GPUs in all (default: 8)")
     parser.add_argument("--gpus-per-node", type=positive(int), help="(default: 8, or --gpus if fewer)")
     parser.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
@@ -370,6 +399,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
         parser.error(f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node}")
     if args.mfu > 1:
         parser.error(f"--mfu {args.mfu:g} is above 1: it is a fraction of the peak")
+    if args.head != "auto" and not args.model:
+        parser.error(f"--head {args.head} chooses the head of --model's config: --params has no head to choose")
     if args.compression.startswith("powersgd") and not args.model:
         parser.error("PowerSGD's bytes depend on the parameter shapes: give --model instead of --params")
     if args.compression != "none" and args.strategy != ["ddp"]:
@@ -380,7 +411,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
 def main(argv=None) -> None:
     args, parser = parse_args(argv)
     try:
-        model = model_of_config(load_config(args.model)) if args.model else \
+        model = model_of_config(load_config(args.model), head=args.head) if args.model else \
             Model(args.params, 0, args.layers, args.hidden, args.heads)
     except PlanError as error:
         parser.error(str(error))
@@ -399,7 +430,7 @@ def main(argv=None) -> None:
                   args.seq, args.mfu, args.compression, recompute=args.recompute, attention=args.attention,
                   wrap=args.wrap) for name in args.strategy]
     if args.json:
-        print(json.dumps({"params": model.params, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
+        print(json.dumps({"params": model.params, "model_class": model.built, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
                           "gpu": asdict(gpu), "intra": asdict(args.intra), "network": asdict(inter),
                           "precision": args.precision, "batch_per_gpu": args.batch, "seq": args.seq,
                           "mfu": args.mfu, "compression": args.compression, "recompute": args.recompute,
@@ -407,7 +438,8 @@ def main(argv=None) -> None:
                           "plans": [asdict(p) for p in plans]}, indent=1))
         return
     nodes = args.gpus // args.gpus_per_node
-    print(f"{model.params / 1e9:.4g} B parameters ({model.params:,}), {args.gpus} × {gpu.name} "
+    print(f"{model.params / 1e9:.4g} B parameters ({model.params:,}){f' in {model.built}' if model.built else ''}, "
+          f"{args.gpus} × {gpu.name} "
           f"({nodes} node{'s' * (nodes > 1)} of {args.gpus_per_node}; {args.intra.name} within"
           + (f", {inter.name} across" if nodes > 1 else "") + f"), {args.precision} precision, Adam; "
           f"batch {args.batch} × {args.seq} tokens per GPU; MFU {args.mfu:g}"

@@ -43,12 +43,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from planner import plan as planner
-from common.fsdp import MixedPrecisionPolicy, fully_shard_blocks, transformer_blocks
-from common.memory import optimizer_tensors, storage_bytes
+from common.fsdp import fully_shard_blocks, transformer_blocks
 from common.lessons.zero import ZeRO
+from common.memory import optimizer_tensors, storage_bytes
+from planner import plan as planner
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -111,6 +112,7 @@ class Case:
     precision: str = "fp32"
     recompute: bool = False
     wrap: str = "blocks"
+    head: str = "auto"  # the config's head (planner.plan.head_class)
 
 
 class LinearStack(nn.Module):
@@ -133,7 +135,7 @@ def build(case: Case) -> tuple[nn.Module, dict, callable]:
         inputs = {"x": torch.randn(case.batch, case.hidden)}
         return model, inputs, lambda out: out.float().pow(2).mean()
     from transformers import AutoModelForCausalLM
-    model_class = planner.head_class(case.config)
+    model_class = planner.head_class(case.config, case.head)
     causal = model_class is AutoModelForCausalLM
     try:
         model = model_class.from_config(case.config)
@@ -284,10 +286,10 @@ def _measured(case: Case, mesh) -> Measured:
 
 def plan_model(case: Case) -> planner.Model:
     if case.config is not None:
-        return planner.model_of_config(case.config)
+        return planner.model_of_config(case.config, head=case.head)
     block = case.hidden * case.hidden + case.hidden
     return planner.Model(case.layers * block, 0, case.layers, case.hidden, None, block_params=block, root_params=0,
-                         end_params=(0, 0))
+                         end_params=(0, 0), built=LinearStack.__name__)
 
 
 def planned(case: Case, model: planner.Model) -> dict:
@@ -350,7 +352,7 @@ def simulate(case: Case) -> dict:
     finally:
         dist.destroy_process_group()
     model = plan_model(case)
-    return {"strategy": case.strategy, "gpus": case.gpus, "params": model.params,
+    return {"strategy": case.strategy, "gpus": case.gpus, "params": model.params, "model_class": model.built,
             "measured": asdict(measured), "planned": planned(case, model)}
 
 
@@ -372,6 +374,10 @@ def parse_args(argv=None):
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--model", help="a folder with a config.json, or a hub name from the local cache")
     size.add_argument("--layers", type=planner.positive(int), help="with --hidden: a stack of LAYERS x Linear(HIDDEN, HIDDEN)")
+    parser.add_argument("--head", choices=planner.HEADS, default="auto",
+                        help="--model's head: auto (default: a causal LM for a decoder-only model type or where the "
+                             "config's architectures name one, else a sequence classifier), causal-lm, "
+                             "sequence-classification")
     parser.add_argument("--hidden", type=planner.positive(int), help="with --layers: the width")
     parser.add_argument("--gpus", type=planner.positive(int), default=8, help="the simulated world size (default: 8)")
     parser.add_argument("--gpus-per-node", type=planner.positive(int), help="HSDP's shard group (default: 8, or --gpus if fewer)")
@@ -387,6 +393,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if (args.layers is None) != (args.hidden is None):
         parser.error("--layers and --hidden go together")
+    if args.head != "auto" and not args.model:
+        parser.error(f"--head {args.head} chooses the head of --model's config: the stack of --layers has none")
     args.gpus_per_node = args.gpus_per_node or min(8, args.gpus)
     return args, parser
 
@@ -396,14 +404,14 @@ def main(argv=None) -> None:
     try:
         config = planner.load_config(args.model) if args.model else None
         results = [simulate(Case(strategy, args.gpus, args.gpus_per_node, args.layers, args.hidden, config, args.batch,
-                                 args.seq, args.precision, args.recompute, args.wrap)) for strategy in args.strategy]
+                                 args.seq, args.precision, args.recompute, args.wrap, args.head)) for strategy in args.strategy]
     except (SimulationError, planner.PlanError) as error:
         parser.exit(2, f"error: {error}\n")
     if args.json:
         print(json.dumps(results, indent=1))
         return
-    print(f"{results[0]['params']:,} parameters at {args.gpus} simulated ranks, {args.precision}; per rank, "
-          "measured (planned), MB = 10^6 bytes")
+    print(f"{results[0]['params']:,} parameters in {results[0]['model_class']} at {args.gpus} simulated ranks, "
+          f"{args.precision}; per rank, measured (planned), MB = 10^6 bytes")
     keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "gathered_bytes", "peak_bytes")
     print("| strategy | params MB | grads MB | optimizer MB | activations MB | gathered + buffers MB | peak MB "
           "| peak / planned | collectives per step |")

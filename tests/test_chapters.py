@@ -8,11 +8,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
-from stepdiff import MARK, matcher, stepdiff, without_mark  # noqa: E402  (tools/ is not a package)
+from stepdiff import MARK, imported_names, is_import, joined_imports, matcher, stepdiff, without_mark  # noqa: E402  (tools/ is not a package)
 
 MNIST_LADDER = ["mnist_1_single.py", "mnist_2_data_parallel.py", "mnist_3_ddp.py", "mnist_4_accelerate.py"]
 # Paths under src/ch4/: the seed's ladder at its root, each later chapter in the folder of its docs page.
@@ -20,50 +19,30 @@ STEPS = [*zip(MNIST_LADDER, MNIST_LADDER[1:]),  # each script is one step from t
          ("mnist_3_ddp.py", "resume/mnist_3_ddp_resume.py"),  # a side step: the same script, restartable
          ("data_parallel.py", "nli_loss_in_forward.py"), ("data_parallel.py", "ddp.py"),
          ("ddp.py", "resume/ddp_resume.py"),
-         ("ddp.py", "nli_accelerate.py"), ("nli_dp_minimal.py", "nli_ddp_minimal.py"),
+         ("nli_dp_minimal.py", "nli_ddp_minimal.py"),
          ("mnist_3_ddp.py", "sharded/mnist_fsdp.py"), ("ddp.py", "sharded/nli_fsdp.py"),
          ("sharded/mnist_fsdp.py", "resume/mnist_fsdp_resume.py"),  # the FSDP script, restartable: sharded checkpoints
          ("sharded/mnist_fsdp.py", "scale_out/mnist_hsdp.py"),  # the FSDP script on a 2-D mesh: HSDP
-         ("mnist_3_ddp.py", "mnist_5_lightning.py"),  # Lightning, like Accelerate, takes over step 3's plumbing
          ("mnist_3_ddp.py", "scale_out/mnist_comm_hooks.py"),  # fewer bytes per step: a DDP communication hook
          ("mnist_3_ddp.py", "scale_out/mnist_diloco.py"),  # fewer steps that communicate: local SGD and DiLoCo
-         ("mnist_3_ddp.py", "fault_tolerant/mnist_3_ddp_ft.py"),  # replica groups that heal from a live peer
-         ("sharded/mnist_fsdp.py", "fault_tolerant/mnist_fsdp_ft.py"),  # the same, each group an FSDP2 job
-         ("sharded/mnist_fsdp.py", "sharded/mnist_deepspeed.py"), ("sharded/nli_fsdp.py", "sharded/nli_deepspeed.py"),  # DeepSpeed's engine
-         ("ddp.py", "nli_trainer.py")]  # the Trainer takes over ddp.py's loops
-BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py"]
+         ("sharded/nli_fsdp.py", "sharded/nli_deepspeed.py")]  # DeepSpeed's engine
+# Scripts that rewrite more than a step's share of the script they start from (MOST_MARKED): a framework or an
+# engine takes over the loop. Each is a base of its own, and the page named here shows it whole.
+REWRITES = {"nli_accelerate.py": "bert.md", "mnist_5_lightning.py": "lightning.md", "nli_trainer.py": "deepspeed.md",
+            "fault_tolerant/mnist_3_ddp_ft.py": "fault_tolerant.md", "fault_tolerant/mnist_fsdp_ft.py": "fault_tolerant.md",
+            "sharded/mnist_deepspeed.py": "deepspeed.md"}
+BASES = ["mnist_1_single.py", "nli_dp_minimal.py", "data_parallel.py", *REWRITES]
 # Not rungs: each program of the debugging gallery holds one bug and, behind --fixed, its fix
 # (tests/test_debugging.py runs both).
 GALLERY = sorted(f"debugging/{path.name}" for path in (ROOT / "src" / "ch4" / "debugging").glob("*.py"))
 COMPILE_LINE = "model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself"
-COMPILE_IMPORT = "from common.compile import add_compile_flag, compiled"
+COMPILE_IMPORT = "from common.compile import compiled"
 DELETIONS = {  # unmarked lines of the earlier script that a step deletes on purpose
     # Accelerate casts (mixed_precision) and scales the loss itself: the autocast block and the scaler go
     ("mnist_3_ddp.py", "mnist_4_accelerate.py"): ["precision = resolve_precision(args.precision, device)", COMPILE_LINE,
                                                   "with autocast(device, precision):", "scaler.update()"],
-    # Lightning's Trainer runs the loop, the optimizer step and the precision; --compile (docs/compile.md)
-    # stops at Lightning, which compiles on its own terms, and at the resumed run, which runs eagerly
-    ("mnist_3_ddp.py", "mnist_5_lightning.py"): [
-        "from common.compile import add_compile_flag, compiled", COMPILE_LINE,
-        "loss_sum = torch.zeros((), device=device)", "loss = F.nll_loss(model(images), labels)",
-        "optimizer.zero_grad(set_to_none=True)", "scaler.scale(loss).backward()", "scaler.step(optimizer)",
-        "scaler.update()", "loss_sum += loss.detach()", "return loss_sum.item() / len(loader)",
-        "optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)", "scaler = grad_scaler(device, precision)",
-        "for epoch in range(args.epochs):", "start = time.perf_counter()",
-        "train_seconds += time.perf_counter() - start", 'print0(f"epoch {epoch}: mean training loss {loss:.4f}")'],
     ("mnist_3_ddp.py", "resume/mnist_3_ddp_resume.py"): [COMPILE_LINE],
-    # the loop counts the quorum's steps, not epochs
-    ("mnist_3_ddp.py", "fault_tolerant/mnist_3_ddp_ft.py"): [
-        "loss = train_epoch(model, train_loader, optimizer, scaler, device, precision)",
-        'print0(f"epoch {epoch}: mean training loss {loss:.4f}")'],
     ("ddp.py", "resume/ddp_resume.py"): [COMPILE_LINE],  # as its MNIST twin: the resumed run is eager
-    # FSDP2 compiles each block on its own (compile_in_place), not the wrapped model
-    ("ddp.py", "sharded/nli_fsdp.py"): [COMPILE_IMPORT],
-    # Accelerate compiles through its own launch config (dynamo_backend), not the flag
-    ("sharded/mnist_fsdp.py", "sharded/mnist_deepspeed.py"): [  # the engine (the Trainer) does these; DeepSpeed's forward turns autocast off
-        'with autocast(device, precision):',
-        'optimizer.zero_grad(set_to_none=True)',
-        'scaler.update()'],
     ("sharded/nli_fsdp.py", "sharded/nli_deepspeed.py"): [  # the engine (the Trainer) does these; DeepSpeed's forward turns autocast off
         'with autocast(device, precision):',
         'optimizer.zero_grad(set_to_none=True)',
@@ -71,56 +50,14 @@ DELETIONS = {  # unmarked lines of the earlier script that a step deletes on pur
         'nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)  # the total norm of the whole averaged gradient',
         'if optimizer_step(optimizer, scaler):  # False where fp16 loss scaling skipped the step',
         'args.max_grad_norm, total_steps - steps_done, progress)'],
-    ("ddp.py", "nli_trainer.py"): [  # the engine (the Trainer) does these; DeepSpeed's forward turns autocast off
-        'import torch.nn as nn',
-        'from tqdm.auto import tqdm',
-        'from common.compile import add_compile_flag, compiled',
-        'def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, max_grad_norm, steps_left, progress):',
-        '"""One pass over this process\'s share of the pairs, or fewer if steps_left runs out first."""',
-        'model.train()',
-        'loss_sum = torch.zeros((), device=device)',
-        'steps = 0',
-        'for batch in loader:',
-        'if steps == steps_left:',
-        'break',
-        'batch = to_device(batch, device)',
-        'labels = batch.pop("labels")',
-        'with autocast(device, precision):',
-        'optimizer.zero_grad(set_to_none=True)',
-        'scaler.scale(loss).backward()',
-        'scaler.unscale_(optimizer)  # fp16: the true gradients, so that the norm is measured on them',
-        'nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)  # the total norm of the whole averaged gradient',
-        'if optimizer_step(optimizer, scaler):  # False where fp16 loss scaling skipped the step',
-        'scheduler.step()',
-        'loss_sum += loss.detach()',
-        'steps += 1',
-        'progress.update()',
-        'return loss_sum.item() / max(steps, 1), steps',
-        '@torch.no_grad()',
-        'def evaluate(model, loader, device, precision):',
-        'model.eval()',
-        'correct = seen = 0',
-        'predictions = model(**batch).logits.argmax(dim=-1)',
-        'seen += labels.numel()',
-        'for epoch in range(args.epochs):',
-        'loss, steps = train_epoch(model, train_loader, optimizer, scheduler, scaler, device, precision,',
-        'args.max_grad_norm, total_steps - steps_done, progress)',
-        'train_seconds += time.perf_counter() - start',
-        'steps_done += steps'],
-    ("ddp.py", "nli_accelerate.py"): [
-        COMPILE_IMPORT, COMPILE_LINE, "model = model.to(device)",
-        "scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)",
-        "scaler = grad_scaler(device, precision)", "precision = resolve_precision(args.precision, device)",
-        "with autocast(device, precision):",
-        "if optimizer_step(optimizer, scaler):  # False where fp16 loss scaling skipped the step"],
 }
 
 
 def code_lines(name):
-    """The script's lines after its header docstring."""
+    """The script's lines after its header docstring, each import on one line (tools/stepdiff.py)."""
     source = (ROOT / "src" / "ch4" / name).read_text()
     docstring_end = ast.parse(source).body[0].end_lineno
-    return source.splitlines()[docstring_end:]
+    return joined_imports(source.splitlines()[docstring_end:])
 
 
 def changes(before, after):
@@ -153,13 +90,13 @@ def unreplaced(old, new):
 def unexplained_deletions(before_name, deleted):
     """Deleted lines that were neither a `# STEP` line of the earlier script nor listed in DELETIONS."""
     listed = DELETIONS.get(before_name, [])
-    return [line for line in deleted if line.strip() and MARK not in line and line.strip() not in listed]
+    return [line for line in deleted if line.strip() and MARK not in line and line.strip() not in listed and not is_import(line)]
 
 
 @pytest.mark.parametrize("before, after", STEPS)
 def test_neighbours_differ_only_in_marked_lines(before, after):
     added, kept, deleted = changes(code_lines(before), code_lines(after))
-    unmarked = [line for line in added if line.strip() and MARK not in line]
+    unmarked = [line for line in added if line.strip() and MARK not in line and not is_import(line)]
     silent = unexplained_deletions((before, after), deleted)
     assert not silent, f"{after} deletes lines of {before} that are neither marked there nor listed:\n" + "\n".join(silent)
     stale_list = set(DELETIONS.get((before, after), [])) - {line.strip() for line in deleted}
@@ -168,6 +105,54 @@ def test_neighbours_differ_only_in_marked_lines(before, after):
     stale = [line for line in kept if MARK in line and without_mark(line).strip()]
     assert not stale, f"{after} marks lines it does not change:\n" + "\n".join(stale)
     assert added, f"{after} changes nothing in {before}"
+
+
+MOST_MARKED = 0.4  # of a rung's code lines (its docstring, blank lines and imports aside): more is a rewrite, not a step
+
+
+def marked_share(name):
+    """The share of the script's code lines that carry `# STEP`: what its page shows as the lesson."""
+    lines = [line for line in code_lines(name) if line.strip() and not is_import(line)]
+    return sum(MARK in line for line in lines) / len(lines)
+
+
+@pytest.mark.parametrize("before, after", STEPS)
+def test_a_step_changes_at_most_a_share_of_its_script(before, after):
+    """A rung that rewrites much of its parent is a new base (BASES) whose page shows it whole, not a step."""
+    assert marked_share(after) <= MOST_MARKED, (
+        f"{after} marks {marked_share(after):.0%} of its code lines against {before}: split it into two steps, "
+        f"or make it a base whose page shows it whole")
+
+
+def test_the_share_rule_catches_a_rewrite(monkeypatch):
+    """Negative control: the same rung with half of its unmarked lines marked fails the rule."""
+    lines = code_lines("mnist_3_ddp.py")
+    unmarked = [i for i, line in enumerate(lines) if line.strip() and MARK not in line and not is_import(line)]
+    rewritten = [f"{line}  {MARK}" if i in unmarked[::2] else line for i, line in enumerate(lines)]
+    monkeypatch.setattr(sys.modules[__name__], "code_lines", lambda name: rewritten)
+    assert marked_share("mnist_3_ddp.py") > MOST_MARKED
+
+
+SCRIPTS = sorted(path.relative_to(ROOT / "src" / "ch4").as_posix() for path in (ROOT / "src" / "ch4").rglob("*.py"))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_imports_carry_no_mark_and_one_line_per_module(name):
+    """stepdiff shows the names an import adds; a mark on an import would stop an import sorter (ruff's I rules)
+    from keeping them in order, and two lines of one module would be merged by it."""
+    imports = [line for line in joined_imports((ROOT / "src" / "ch4" / name).read_text().splitlines()) if is_import(line)]
+    assert not [line for line in imports if MARK in line], f"{name}: an import line with `{MARK}`"
+    modules = [line.split()[1] for line in imports if line.startswith("from ")]
+    assert len(modules) == len(set(modules)), f"{name}: two `from` lines of one module"
+
+
+def test_stepdiff_names_what_an_import_adds():
+    """The lesson diff marks the names a changed import line adds, and only those."""
+    lines = stepdiff(["from common.cli import mnist_parser", "x = 1"],
+                     ["from common.cli import mnist_parser, per_process_batch", "x = 1"])
+    assert f"+from common.cli import mnist_parser, per_process_batch  {MARK}: imports per_process_batch" in lines
+    assert imported_names(["import torch.distributed as dist", "from a.b import c, d"]) == {
+        "torch.distributed as dist", "a.b.c", "a.b.d"}
 
 
 def mark_only_changes(diff_lines):
@@ -333,6 +318,15 @@ def test_each_excerpt_on_a_page_is_the_scripts_text(page, index):
     assert missing is None, f"docs/{page} shows lines of {path} that it does not hold, in this order:\n{missing}"
     if page in CHAPTER_PAGES and path.removeprefix("src/ch4/") in {after for _, after in STEPS}:
         assert any(MARK in line for line in excerpt), f"docs/{page}: an excerpt of {path} with no `{MARK}` line"
+
+
+@pytest.mark.parametrize("name", REWRITES)
+def test_a_rewrite_is_shown_whole_on_its_page(name):
+    """A base that rewrites its parent has no step to show: its page shows every line after the docstring."""
+    source = (ROOT / "src" / "ch4" / name).read_text()
+    code = "\n".join(source.splitlines()[ast.parse(source).body[0].end_lineno:]).strip("\n").splitlines()
+    assert [path for path, lines in excerpts(REWRITES[name]) if path == f"src/ch4/{name}" and lines == code], (
+        f"docs/{REWRITES[name]} does not show src/ch4/{name} whole (a ```python title=\"src/ch4/{name}\" block)")
 
 
 @pytest.mark.parametrize("page", CHAPTER_PAGES)

@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import ROOT, TEST_IMAGES, TORCHRUN, assert_ran, run_as_user
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.lessons.comm_hooks import AllReduceCounter, bucket_cap_mb, gradient_bytes, powersgd_numel, register_comm_hook
 from common.lessons.local_sgd import OuterOptimizer
 from common.mnist import BasicNet
 from common.spawn import run_in_process_group
-from conftest import ROOT, TEST_IMAGES, TORCHRUN, assert_ran, run_as_user
 
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark imports its neighbour plotting
 import comm_hooks as benchmark  # noqa: E402

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import ACCELERATE, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.compile import compiled
 from common.spawn import run_in_process_group
-from conftest import ACCELERATE, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran
 
 STEPS = 3
 # The largest weight difference allowed after STEPS steps of AdamW at lr 1e-2 (a step moves a weight by up to

@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import TORCHRUN, assert_ran, run_as_user
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.diagnose import ReplicaMismatch, check_replicas, dump_stacks_on_hang
 from common.spawn import run_in_process_group
-from conftest import TORCHRUN, assert_ran, run_as_user
 
 
 def make_model() -> torch.nn.Module:

@@ -15,14 +15,14 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-from common.distributed import free_port
-from common.spawn import run_in_process_group
-from common.lessons.zero import ZeRO
 from conftest import ACCELERATE, PYTHON, ROOT, assert_clear_error, assert_ran, run_as_user
 from test_zero import adamw, small_model
 from test_zero import batch_for as zero_batch_for
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common.distributed import free_port
+from common.lessons.zero import ZeRO
+from common.spawn import run_in_process_group
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is the [deepspeed] extra: pip install -e '.[deepspeed]'")
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import EVAL_PAIRS, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran, run_as_user
 from test_lessons import one_process_correct
 

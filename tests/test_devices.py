@@ -12,7 +12,7 @@ from common.compile import check_backend
 from common.distributed import Launch, accelerator_type, backend_for, device_for
 from common.gather import sum_across_ranks
 from common.lightning_launch import lightning_accelerator
-from common.mnist import make_loader
+from common.mnist import mnist_loader
 from common.precision import auto_precision, resolve_precision
 
 PYTHON_LAUNCH = Launch(0, 0, 1, "python")
@@ -45,22 +45,9 @@ def test_no_accelerator_means_the_cpu():
     assert device_for(torchrun(0, 2)) == torch.device("cpu")
 
 
-def test_without_torch_accelerator_cuda_is_the_one_looked_for(monkeypatch):
-    """torch before 2.6 has no torch.accelerator: the CUDA check alone, no AttributeError."""
-    monkeypatch.delattr(torch, "accelerator")
-    assert accelerator_type() is None
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert accelerator_type() == "cuda"
-
-
 @pytest.mark.parametrize("kind, backend", [("cpu", "gloo"), ("cuda", "nccl"), ("xpu", "xccl")])
 def test_the_backend_is_the_one_that_moves_the_devices_tensors(kind, backend):
     assert backend_for(torch.device(kind)) == backend
-
-
-def test_without_torchs_backend_table_cuda_gets_nccl_and_the_rest_gloo(monkeypatch):
-    monkeypatch.delattr(torch.distributed, "get_default_backend_for_device")
-    assert (backend_for(torch.device("cuda", 0)), backend_for(torch.device("cpu"))) == ("nccl", "gloo")
 
 
 # ---- precision, per device type ----
@@ -79,6 +66,22 @@ def test_fp16_runs_where_torch_has_a_grad_scaler(kind):
 def test_fp16_on_the_cpu_is_one_sentence():
     with pytest.raises(SystemExit, match=r"fp16 needs a GPU \(CUDA, XPU or MPS\).*use --precision bf16 or fp32"):
         resolve_precision("fp16", torch.device("cpu"))
+
+
+def test_bf16_on_a_cpu_without_bf16_units_says_once_that_it_is_emulated_and_trains(capsys, monkeypatch):
+    """Without AVX512-BF16 or AMX units oneDNN emulates bf16, several times slower than fp32 (about 6x on an
+    AVX2-only CPU): an explicit --precision bf16 is kept, after one line on stderr, from rank 0 only. With the
+    units, or asked for auto (fp32 there), nothing is said. The CPU's units are passed in: this machine has them."""
+    cpu = torch.device("cpu")
+    assert resolve_precision("bf16", cpu, has_bf16=False) == "bf16"
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and "bf16 is emulated here and runs several times slower than fp32" in said[0], said
+    assert resolve_precision("bf16", cpu, has_bf16=True) == "bf16"
+    assert resolve_precision("auto", cpu, has_bf16=False) == "fp32"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resolve_precision("bf16", cpu, has_bf16=False) == "bf16"
+    assert capsys.readouterr().err == ""
 
 
 def test_fp32_turns_off_cudnns_tf32_convolutions(monkeypatch):
@@ -105,7 +108,7 @@ def test_loaders_pin_their_batches_where_copies_can_overlap(kind, pinned, monkey
     """non_blocking=True copies from pageable memory are synchronous: the loaders pin on CUDA and XPU."""
     monkeypatch.setattr(distributed, "accelerator_type", lambda: kind)
     data = TensorDataset(torch.zeros(4, 2))
-    assert make_loader(data, 2, SequentialSampler(data)).pin_memory == pinned
+    assert mnist_loader(data, 2, SequentialSampler(data)).pin_memory == pinned
 
 
 def test_sum_across_ranks_needs_the_device_the_group_moves():

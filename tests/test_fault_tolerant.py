@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran, offline_env, run_as_user
 
 os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse logs every quorum at INFO

@@ -1,4 +1,4 @@
-"""Every figure in docs/images/ is drawn by figures/ from the code it explains and from real runs.
+"""Every figure in images/ is drawn by figures/ from the code it explains and from real runs.
 
 Two process groups (4 and 2 gloo processes, one each for the module) record what every figure
 needs. The schematics are then redrawn and compared byte for byte with the committed SVGs; the
@@ -13,9 +13,8 @@ import sys
 
 import matplotlib
 import pytest
-from PIL import Image
-
 from conftest import ROOT
+from PIL import Image
 
 sys.path[:0] = [str(ROOT / "figures"), str(ROOT / "benchmarks")]  # the figure scripts import their neighbours
 import accumulation_syncs  # noqa: E402
@@ -32,11 +31,11 @@ import ring_allreduce  # noqa: E402
 import simulate_memory  # noqa: E402
 import step_time_breakdown  # noqa: E402
 import zero_stages  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from common.lessons.allreduce import bytes_sent_per_rank, ring_schedule  # noqa: E402
 from common.mnist import BasicNet  # noqa: E402
 from common.spawn import run_in_process_group  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 
 def on_four_ranks(rank, world_size):
@@ -79,17 +78,17 @@ def assert_same_bytes(drawn, committed):
     if drew_with is None or drew_with.group(1).decode() != matplotlib.__version__:
         pytest.skip(f"{committed.name} was drawn with another matplotlib than {matplotlib.__version__}")
     assert drawn.read_bytes() == committed.read_bytes(), (
-        f"{committed.name} differs from what figures/ draws now: run `make figures` and commit docs/images/")
+        f"{committed.name} differs from what figures/ draws now: run `make figures` and commit images/")
 
 
 # ---- 1. the ring, step by step
 
 def test_ring_figure_is_byte_stable_and_has_a_gif(four, tmp_path):
     ring_allreduce.draw(four["ring"], tmp_path / "ring.svg", tmp_path / "ring.gif")
-    assert_same_bytes(tmp_path / "ring.svg", ROOT / "docs" / "images" / "ring_allreduce.svg")
+    assert_same_bytes(tmp_path / "ring.svg", ROOT / "images" / "ring_allreduce.svg")
     with Image.open(tmp_path / "ring.gif") as gif:
         assert gif.n_frames == 1 + 2 * (4 - 1)  # the start, then every step
-    assert (ROOT / "docs" / "images" / "ring_allreduce.gif").stat().st_size > 0
+    assert (ROOT / "images" / "ring_allreduce.gif").stat().st_size > 0
 
 
 def test_ring_figure_shows_the_real_tensors(four):
@@ -131,7 +130,7 @@ def test_recorded_bytes_equal_the_cost_model(four, tmp_path):
     assert sorted(ring_pairs) == [(0, 1), (1, 2), (2, 3), (3, 0)]
     assert all(sizes == [recording["size_bytes"] // 4] * 6 for sizes in ring_pairs.values())
     allreduce_algorithms.draw(recording, tmp_path / "algorithms.svg")
-    assert_same_bytes(tmp_path / "algorithms.svg", ROOT / "docs" / "images" / "allreduce_algorithms.svg")
+    assert_same_bytes(tmp_path / "algorithms.svg", ROOT / "images" / "allreduce_algorithms.svg")
 
 
 # ---- 4. buckets
@@ -156,7 +155,7 @@ def test_bucket_figure_matches_ddp_and_ours(two, tmp_path, tiny_bert):
         key: value for key, value in bucket_assignment.TINY_BERT.items() if key != "num_labels"}
     assert len(config["id2label"]) == bucket_assignment.TINY_BERT["num_labels"]
     bucket_assignment.draw(layouts, tmp_path / "buckets.svg")
-    assert_same_bytes(tmp_path / "buckets.svg", ROOT / "docs" / "images" / "bucket_assignment.svg")
+    assert_same_bytes(tmp_path / "buckets.svg", ROOT / "images" / "bucket_assignment.svg")
 
 
 # ---- 5. accumulation
@@ -168,7 +167,7 @@ def test_accumulation_figure_counts(two, tmp_path):
     every = sorted(list(range(1, 5)) * buckets)
     assert list(syncs.values()) == [every, every, [4] * buckets, [4] * buckets]
     accumulation_syncs.draw(recording, tmp_path / "accumulation.svg")
-    assert_same_bytes(tmp_path / "accumulation.svg", ROOT / "docs" / "images" / "accumulation_syncs.svg")
+    assert_same_bytes(tmp_path / "accumulation.svg", ROOT / "images" / "accumulation_syncs.svg")
 
 
 # ---- 8. DataParallel vs DDP
@@ -183,7 +182,7 @@ def test_dp_vs_ddp_figure(tmp_path):
     all_reduce = next(size for step, size in moves["DDP: one process per GPU"] if "all-reduce" in step)
     assert all_reduce == 2 * bytes_sent_per_rank("ring", mnist["param_bytes"], 4)
     dp_vs_ddp.draw(tmp_path / "dp_vs_ddp.svg")
-    assert_same_bytes(tmp_path / "dp_vs_ddp.svg", ROOT / "docs" / "images" / "dp_vs_ddp.svg")
+    assert_same_bytes(tmp_path / "dp_vs_ddp.svg", ROOT / "images" / "dp_vs_ddp.svg")
     assert dp_vs_ddp.markdown_tables() in (ROOT / "docs" / "mnist.md").read_text()  # the numbers the page shows
 
 
@@ -259,12 +258,12 @@ def test_every_figure_is_committed():
                  "bucket_assignment.svg", "accumulation_syncs.svg", "step_time_breakdown.png", "allreduce_busbw.png",
                  "compile_breakdown.png", "dp_vs_ddp.svg", "zero_stages.svg", "zero_stages.png", "ddp_step_lanes.svg",
                  "resume_sequence.svg", "hsdp_mesh.svg", "simulate_memory.png"):
-        assert (ROOT / "docs" / "images" / name).stat().st_size > 0, name
+        assert (ROOT / "images" / name).stat().st_size > 0, name
 
 
 def test_zero_stages_figure_is_byte_stable(tmp_path):
     zero_stages.draw(tmp_path / "zero_stages.svg")
-    assert_same_bytes(tmp_path / "zero_stages.svg", ROOT / "docs" / "images" / "zero_stages.svg")
+    assert_same_bytes(tmp_path / "zero_stages.svg", ROOT / "images" / "zero_stages.svg")
     assert (tmp_path / "zero_stages.png").stat().st_size > 0
 
 
@@ -272,7 +271,7 @@ def test_zero_stages_figure_is_byte_stable(tmp_path):
                                           (hsdp_mesh, "hsdp_mesh.svg")])
 def test_drawn_schematics_are_byte_stable(figure, name, tmp_path):
     figure.draw(tmp_path / name)
-    assert_same_bytes(tmp_path / name, ROOT / "docs" / "images" / name)
+    assert_same_bytes(tmp_path / name, ROOT / "images" / name)
 
 
 def test_the_step_lanes_overlap_all_but_the_last_bucket():

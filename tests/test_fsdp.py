@@ -11,10 +11,10 @@ put back together in rank order along the first dimension (how fully_shard cuts 
 import pytest
 import torch
 import torch.nn.functional as F
-
-from common.mnist import BasicNet, load_mnist
 from conftest import EVAL_PAIRS, TEST_IMAGES, TORCHRUN
 from test_lessons import basic_net, bert_correct, instrumented, one_process_correct, printed_correct
+
+from common.mnist import BasicNet, load_mnist
 
 WORLD_SIZE = 3  # 101 test images and 13 pairs divide by neither 2 nor 3: ranks get repeats
 
@@ -77,7 +77,8 @@ def test_bert_fsdp_accuracy(tiny_bert, nli_pairs, tmp_path):
 
 
 def test_the_block_policy_finds_the_blocks_of_bert_llama_and_gpt2():
-    from transformers import BertConfig, GPT2Config, LlamaConfig, AutoModelForCausalLM, BertForSequenceClassification
+    from transformers import AutoModelForCausalLM, BertConfig, BertForSequenceClassification, GPT2Config, LlamaConfig
+
     from common.fsdp import transformer_blocks
     tiny = {"hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 32, "vocab_size": 64}
     with torch.device("meta"):
@@ -91,7 +92,8 @@ def test_the_block_policy_finds_the_blocks_of_bert_llama_and_gpt2():
 
 def test_a_tied_head_cannot_be_sharded_apart_and_nothing_is_sharded():
     """Bad input loses nothing: the refusal comes before any fully_shard call (none needs a process group)."""
-    from transformers import GPT2Config, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GPT2Config
+
     from common.fsdp import fully_shard_blocks
     with torch.device("meta"):
         gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64))

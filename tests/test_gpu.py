@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ACCELERATE, EVAL_PAIRS, GPU_DEVICES, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran
 
 from common.cli import COMM_HOOKS
-from conftest import ACCELERATE, EVAL_PAIRS, GPU_DEVICES, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran
 
 CH4 = ROOT / "src" / "ch4"
 RESUME = CH4 / "resume"

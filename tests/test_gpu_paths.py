@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn as nn
 import yaml
+from conftest import ACCELERATE, PYTHON, ROOT, TORCHRUN, assert_ran, offline_env, run_as_user
 
 from common.distributed import Launch, detect_launch, device_for, processes_for_this_machine, processes_note
 from common.precision import Autocast, accelerate_mixed_precision, auto_precision, optimizer_step
-from conftest import ACCELERATE, PYTHON, ROOT, TORCHRUN, assert_ran, offline_env, run_as_user
 
 CH4 = ROOT / "src" / "ch4"
 
@@ -223,7 +223,7 @@ def test_accelerate_ranks_build_the_same_model_before_prepare(tmp_path, tiny_ber
               pretrained / "model.safetensors", metadata={"format": "pt"})
     script = tmp_path / "record.py"
     script.write_text("import sys\nimport torch\nimport torch.distributed as dist\nfrom accelerate import Accelerator\n"
-                      "sys.path.insert(0, 'src/ch4')\nimport nli_accelerate\nfrom common.nli import nli_parser\n\n"
+                      "sys.path.insert(0, 'src/ch4')\nimport nli_accelerate\nfrom common.cli import nli_parser\n\n"
                       "def record(accelerator, model, *others):\n"
                       "    torch.save(model.state_dict(), f'{sys.argv[1]}/{accelerator.process_index}.pt')\n"
                       "    dist.destroy_process_group()\n    sys.exit(0)\n\n"
@@ -314,7 +314,9 @@ def test_gpu_check_sets_the_plan_beside_the_bert_rows():
     bytes a parameter) is the plan's, byte for byte but AdamW's step counters (one 4-byte scalar per
     parameter tensor: 41 here); the device name picks the plan's preset."""
     import importlib.util
+
     from transformers import BertConfig
+
     from planner.plan import GPUS
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
@@ -385,11 +387,11 @@ def assert_every_row_measured(page: str, gpu_check, data_dir):
     """Each MNIST and BERT row of the check is in the page with numbers; the ones the CPU runs in another
     precision say so."""
     rows = [line for line in page.splitlines() if line.startswith("| ")]
-    for name, precision in gpu_check.mnist_runs(str(data_dir), torch.device("cpu")):
+    for (name, precision), (_, ran_as) in gpu_check.mnist_runs(str(data_dir), torch.device("cpu")).items():
         line = next((line for line in rows if line.startswith(f"| {name} | {precision}")), None)
         assert line is not None, f"no row for {name} ({precision}):\n{page}"
         assert re.search(r"\| [\d.]+ \| \d+ \| [\d.]+% \|$", line), line
-        assert ("ran in" in line) == (precision == "fp16"), line
+        assert ("ran in" in line) == (ran_as != precision), line
     for precision in ("fp32", "bf16", "fp16"):
         line = next((line for line in rows if line.startswith(f"| {precision}")), None)
         assert line is not None and re.match(rf"\| {precision}[^|]* \| \d+ \|", line), f"BERT {precision}:\n{page}"
@@ -411,6 +413,23 @@ def test_gpu_check_cpu_runs_every_row_and_writes_the_page(run_command, tmp_path)
     own = (ROOT / "docs" / "gpu_results.md").read_text()
     assert text.split("<!-- gpu-check results -->")[0] == own.split("<!-- gpu-check results -->")[0]
     assert text.split("<!-- end gpu-check results -->")[1] == own.split("<!-- end gpu-check results -->")[1]
+
+
+def test_gpu_check_cpu_runs_the_bf16_rows_in_the_cpus_auto_precision():
+    """`--cpu` on a CPU without bf16 units: the bf16 rows, MNIST's commands and BERT's, run in fp32 (--precision
+    auto there), as the fp16 rows do, instead of an emulated bf16 several times slower; with the units, in bf16.
+    The CPU's units are passed in: this machine has them. A GPU row keeps its own precision."""
+    gpu_check, cpu = load_gpu_check(), torch.device("cpu")
+    for has_bf16, expected in ((False, "fp32"), (True, "bf16")):
+        runs = gpu_check.mnist_runs("data", cpu, has_bf16)
+        bf16_rows = [(command, ran_as) for (_, precision), (command, ran_as) in runs.items() if precision == "bf16"]
+        assert len(bf16_rows) == 2
+        for command, ran_as in bf16_rows:
+            assert ran_as == expected and command[command.index("--precision") + 1] == expected, command
+        assert [gpu_check.on_device(precision, cpu, has_bf16) for precision in ("fp32", "bf16", "fp16")] == \
+            ["fp32", expected, expected]
+    assert gpu_check.on_device("bf16", torch.device("cuda"), has_bf16=False) == "bf16"
+    assert gpu_check.precision_cell("bf16", "fp32") == "bf16, ran in fp32 (the CPU has no bf16 units)"
 
 
 def test_gpu_check_cpu_catches_measure_called_without_its_env(tmp_path):

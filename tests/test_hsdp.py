@@ -29,21 +29,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import PYTHON, ROOT, TEST_IMAGES, assert_clear_error, offline_env
+from test_fsdp import assembled
+from test_lessons import INSTRUMENT, one_process_correct, printed_correct
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data.distributed import DistributedSampler
 
 from common.distributed import free_port
-from common.fsdp import MixedPrecisionPolicy
 from common.gather import sum_across_ranks
-from common.mnist import BasicNet, load_mnist, make_loader
-from planner.plan import Link, communication, ring_seconds
+from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.samplers import DistributedEvalSampler
 from common.spawn import run_in_process_group
-from conftest import PYTHON, ROOT, TEST_IMAGES, assert_clear_error, offline_env
-from test_fsdp import assembled
-from test_lessons import INSTRUMENT, one_process_correct, printed_correct
+from planner.plan import Link, communication, ring_seconds
 
 SCRIPT = ROOT / "src" / "ch4" / "scale_out" / "mnist_hsdp.py"
 WORLD_SIZE = 4
@@ -123,7 +123,7 @@ def against_ddp(rank, world_size, script, data, mesh, policy=None):
     ddp = [p.detach().clone() for p in reference.parameters()]
     gaps = torch.tensor([max(gradient_errors), max((a - b).abs().max().item() for a, b in zip(full, ddp, strict=True))])
     dist.all_reduce(gaps, op=dist.ReduceOp.MAX)  # over every shard group: replicas that drifted apart show
-    loader = make_loader(test_set, EVAL_BATCH, DistributedSampler(test_set, shuffle=False))
+    loader = mnist_loader(test_set, EVAL_BATCH, DistributedSampler(test_set, shuffle=False))
     with Collectives() as evaluation:
         correct, seen = script.evaluate(model, loader, torch.device("cpu"), "fp32", len(DistributedEvalSampler(test_set)))
     return {"gradient_error": gaps[0].item(), "gap": gaps[1].item(), "gradient_errors": gradient_errors, "loss_gaps": loss_gaps,

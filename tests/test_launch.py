@@ -2,10 +2,10 @@
 ends the run with a message instead of a hang."""
 import pytest
 import torch
+from conftest import PYTHON, ROOT, assert_clear_error
 
-from common.distributed import Launch, detect_launch, device_for, free_port, require_launcher
+from common.distributed import Launch, detect_launch, device_for, exit_if_peers_missing, free_port, require_launcher
 from common.precision import autocast
-from conftest import PYTHON
 
 
 def test_torchrun_variables_win():
@@ -33,16 +33,27 @@ def test_device_without_gpus_is_the_cpu():
     assert device_for(Launch(3, 1, 4, "torchrun", 2)) == torch.device("cpu")
 
 
-def test_missing_peer_fails_fast_with_a_message(run_command):
-    """Rank 1 of 2 waits for a rank 0 that never starts: it must give up after --dist-timeout."""
-    code = ("import torch; from common.distributed import detect_launch, init_process_group;"
-            "init_process_group(detect_launch(), torch.device('cpu'), timeout_s=3)")
+@pytest.mark.parametrize("script", ["src/ch4/mnist_3_ddp.py", "src/ch4/debugging/dead_rank.py"])
+def test_missing_peer_fails_fast_with_a_message(run_command, script):
+    """Rank 1 of 2 waits for a rank 0 that never starts: torch's own dist.init_process_group, as the DDP rung
+    and the debugging gallery call it, gives up after the timeout, and exit_if_peers_missing says so in one sentence."""
     env_vars = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(free_port())}
-    result = run_command("env", *[f"{k}={v}" for k, v in env_vars.items()], PYTHON, "-c", code, timeout=60)
-    assert result.returncode != 0
-    assert "rank 1 could not join a process group of 2 within 3 s" in result.stderr, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
+    flag = "--timeout" if "debugging" in script else "--dist-timeout"
+    result = run_command("env", *[f"{k}={v}" for k, v in env_vars.items()], PYTHON, ROOT / script, flag, "3", timeout=60)
+    assert_clear_error(result, "rank 1 could not join a process group of 2 within 3 s")
+
+
+def test_a_restartable_launch_is_warned_of_the_shared_store(monkeypatch, capsys):
+    """Under torchrun --max-restarts with its shared store, rank 0 is told how to give each restart a fresh one."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    with exit_if_peers_missing(Launch(0, 0, 2, "torchrun"), 3):
+        pass
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="rank 1 could not join a process group of 2 within 3 s.*RDZV_TCP_STORE=1"):
+        with exit_if_peers_missing(Launch(1, 1, 2, "torchrun"), 3):
+            raise RuntimeError("DistStoreError: timed out")
 
 
 def test_bf16_autocast_runs_matmuls_in_bf16():
@@ -58,8 +69,8 @@ def test_bf16_autocast_runs_matmuls_in_bf16():
 def trainer_flags(environ, *argv):
     import argparse
 
-    from common.lightning_launch import add_trainer_flags
-    return add_trainer_flags(argparse.ArgumentParser(), environ).parse_args(list(argv))
+    from common.cli import add_lightning_flags
+    return add_lightning_flags(argparse.ArgumentParser(), environ).parse_args(list(argv))
 
 
 def test_lightning_flags_default_to_what_the_launcher_started():

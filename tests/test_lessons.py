@@ -16,9 +16,9 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ACCELERATE, EVAL_PAIRS, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran, run_as_user
 
 from common.mnist import BasicNet, load_mnist
-from conftest import ACCELERATE, EVAL_PAIRS, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran, run_as_user
 
 CH4 = ROOT / "src" / "ch4"
 INSTRUMENT = ROOT / "tests" / "instrument.py"
@@ -179,7 +179,7 @@ def bert_correct(tiny_bert, nli_pairs, weights) -> int:
     """Correct predictions of one process, with these weights, on the whole held-out split."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from common.nli import load_pairs, make_loader, tokenize_pairs
+    from common.nli import load_pairs, nli_loader, tokenize_pairs
     model = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=3).eval()
     with torch.no_grad():
         for param, value in zip(model.parameters(), weights, strict=True):
@@ -188,7 +188,7 @@ def bert_correct(tiny_bert, nli_pairs, weights) -> int:
     _, eval_pairs = load_pairs(str(nli_pairs), "split", None, None)
     correct = 0
     with torch.no_grad():
-        for batch in make_loader(tokenize_pairs(eval_pairs, tokenizer, 128), tokenizer, 64, None):
+        for batch in nli_loader(tokenize_pairs(eval_pairs, tokenizer, 128), tokenizer, 64, None):
             labels = batch.pop("labels")
             correct += (model(**batch).logits.argmax(dim=-1) == labels).sum().item()
     return correct

@@ -7,7 +7,6 @@ are in test_lessons.py, which also checks what they compute.
 import shutil
 
 import pytest
-
 from conftest import PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_clear_error, assert_ran
 
 CH4 = ROOT / "src" / "ch4"

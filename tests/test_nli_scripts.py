@@ -8,9 +8,9 @@ import runpy
 import pytest
 import torch
 import torch.nn as nn
+from conftest import EVAL_PAIRS, PYTHON, ROOT, TORCHRUN, assert_clear_error, assert_ran
 
 from common.loss_in_forward import LossInForward
-from conftest import EVAL_PAIRS, PYTHON, ROOT, TORCHRUN, assert_clear_error, assert_ran
 
 CH4 = ROOT / "src" / "ch4"
 EXACT = f"over {EVAL_PAIRS} pairs"
@@ -75,8 +75,9 @@ HUB_IDS = {"entailment": 0, "neutral": 1, "contradiction": 2}  # nyu-mll/multi_n
 def test_official_multinli_and_glue_files_load_as_they_come(tmp_path, capsys):
     """sentence1/sentence2/gold_label words become the hub's ids; '-' rows are dropped and counted;
     quotes and an 'NA' inside sentences survive the TSV; GLUE's unlabeled test_matched.tsv is no obstacle."""
-    from common.nli import load_pairs
     from nli_files import official_rows, write_glue_mnli, write_official_multinli
+
+    from common.nli import load_pairs
     expected = [(row["sentence1"], row["sentence2"], HUB_IDS[row["gold_label"]])
                 for row in official_rows(20, unlabeled=3, seed=1) if row["gold_label"] != "-"]
     for folder in (write_official_multinli(tmp_path / "multinli_1.0", 40, 20, unlabeled=3),
@@ -178,7 +179,9 @@ def test_a_model_saved_in_bf16_trains_in_fp32(tiny_bert, tmp_path):
     """transformers 5 loads the dtype a folder was saved in unless told; the scripts' precision is autocast over
     fp32 weights, so a bf16 folder must come back fp32 (else --precision fp32 trains in pure bf16)."""
     import shutil
+
     from transformers import AutoModelForSequenceClassification
+
     from common.nli import load_model_and_tokenizer
     shutil.copytree(tiny_bert, tmp_path / "bf16")
     AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=3).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")

@@ -8,7 +8,6 @@ count one process gets with those weights. The negative control gathers with the
 """
 import pytest
 import torch
-
 from conftest import EVAL_PAIRS, ROOT, TORCHRUN, assert_ran, run_as_user
 from test_lessons import bert_correct, printed_correct
 

@@ -10,9 +10,8 @@ import re
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
-
 from conftest import EVAL_PAIRS, ROOT, TEST_IMAGES, offline_env
+from nbclient import NotebookClient
 
 NOTEBOOKS = ROOT / "notebooks"
 # notebook_launcher forks the kernel; a kernel that already ran torch on 2 threads hung its children
@@ -32,7 +31,8 @@ def expectations(tiny_mnist, tiny_bert, nli_pairs):
                                 *[f"over {TEST_IMAGES} images"] * 3]),
         "nli_notebook_launcher.ipynb": (f"MODEL = {str(tiny_bert)!r}\nDATASET = {str(nli_pairs)!r}\nMAX_STEPS = 3\n"
                                         + THREADED_KERNEL, ["2 processes on cpu", f"over {EVAL_PAIRS} pairs"]),
-        "inside_ddp_ring.ipynb": ("NUMEL = 1000", ["rank 0 received 3 from its left neighbour", "rank 1 received 0 from", "4 ranks", "reduce + broadcast   True", "all-to-all           True",
+        "inside_ddp_ring.ipynb": ("NUMEL = 1000", ["rank 0 received 3 from its left neighbour", "rank 1 received 0 from", "4 ranks",
+                                                   "reduce + broadcast   True", "all-to-all           True",
                                                    "ring                 True"]),
         "inside_ddp_buckets.ipynb": ("LAYERS = 4\nWIDTH = 128\nCAPS_MB = [0.1, 25]",
                                      ["0.10 | 4 | 1 / ", "25 | 1 | 1 / 1 |"]),

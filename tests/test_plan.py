@@ -6,11 +6,16 @@ import sys
 from dataclasses import replace
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from conftest import PYTHON, ROOT, assert_clear_error
+from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForSequenceClassification
 
-from common.lessons.comm_hooks import powersgd_numel
-from planner.plan import GPUS, NETWORKS, Model, activation_bytes, main, memory_bytes, model_of_config, plan
-from conftest import PYTHON, ROOT, assert_clear_error
+from common.lessons.comm_hooks import START_POWERSGD, AllReduceCounter, bucket_cap_mb, powersgd_numel, register_comm_hook
+from common.spawn import run_in_process_group
+from planner.plan import GPUS, NETWORKS, Link, Model, activation_bytes, main, memory_bytes, model_of_config, plan
 
 sys.path.insert(0, str(ROOT / "benchmarks"))  # plan_check imports its neighbour sharded_memory
 import plan_check  # noqa: E402
@@ -96,6 +101,29 @@ def test_a_language_models_untied_head_is_counted():
     assert activation_bytes(untied, 1, 8, "fp32") - activation_bytes(replace(untied, vocab=None), 1, 8, "fp32") == logits
 
 
+def test_a_decoder_only_config_that_names_no_architecture_is_a_causal_lm(capsys, tmp_path):
+    """A config made in code names no architectures: Llama's model type is decoder-only (transformers builds it as
+    a causal LM, and neither as a masked LM nor as a sequence-to-sequence LM), so it is counted with its untied LM
+    head and its logits; BERT's type is also a masked LM, and its config stays a classifier; --head chooses by
+    hand. The first line and the JSON name the class counted."""
+    from transformers import BertConfig, LlamaConfig
+    shape = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=500,
+                 tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    unnamed, named = LlamaConfig(**shape), LlamaConfig(**shape, architectures=["LlamaForCausalLM"])
+    assert unnamed.architectures is None
+    assert model_of_config(unnamed) == model_of_config(named) and model_of_config(unnamed).vocab == 500
+    unnamed.save_pretrained(tmp_path / "llama")
+    BertConfig(vocab_size=30, hidden_size=12, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+               max_position_embeddings=16).save_pretrained(tmp_path / "bert")
+    for folder, head, built in (("llama", "auto", "LlamaForCausalLM"), ("bert", "auto", "BertForSequenceClassification"),
+                                ("llama", "sequence-classification", "LlamaForSequenceClassification")):
+        argv = ["--model", str(tmp_path / folder), "--head", head, "--gpus", "2", "--strategy", "ddp"]
+        main(argv)
+        assert capsys.readouterr().out.splitlines()[0].split(" in ")[1].startswith(f"{built}, 2 × H100")
+        main([*argv, "--json"])
+        assert json.loads(capsys.readouterr().out)["model_class"] == built
+
+
 def test_fused_attention_stores_no_scores():
     """Korthikanti et al.'s 5·a·s/h per s·b·h of attention scores, only where attention is eager."""
     model = Model(10**9, 0, layers=2, hidden=64, heads=4)
@@ -121,6 +149,37 @@ def test_powersgd_bytes_follow_torchs_rule():
     assert model_of_config(config, AutoModel).powersgd_numel[4] == torchs_rule > old_rule
 
 
+def powersgd_all_reduces(rank, world_size):
+    """Each step's all-reduce calls of DDP with powerSGD_hook at rank 1, registered as the scripts do (one bucket
+    on gloo), counted as tests/test_comm_hooks.py counts them; both weights are compressed, the biases sent whole."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = DDP(module, bucket_cap_mb=bucket_cap_mb("powersgd", module))
+    register_comm_hook(model, "powersgd", 1)
+    sent, calls = AllReduceCounter(), []
+    for _ in range(START_POWERSGD + 1):
+        before = sent.calls
+        with sent:
+            model(torch.randn(2, 32)).sum().backward()
+        calls.append(sent.calls - before)
+    dist.barrier()  # the hook's last callbacks run on gloo's threads: freeing the model under them can abort the process
+    return calls
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_plan_charges_powersgd_the_all_reduces_ddp_issues(world_size):
+    """The plain steps before START_POWERSGD give the buckets (one all-reduce each); a compressed step issues three
+    per bucket (the uncompressed tensors, the Ps, the Qs). The plan, on a link with latency only, charges one
+    ring's 2(N-1) latencies per collective: as many collectives as the real run issues, not two per bucket."""
+    calls = run_in_process_group(powersgd_all_reduces, world_size, timeout=120)
+    buckets = calls[0]
+    assert calls[:START_POWERSGD] == [buckets] * START_POWERSGD and calls[START_POWERSGD] > buckets
+    latency_only = Link("1 s per message, infinitely fast", math.inf, 1.0)
+    planned = plan("ddp", Model(1000, powersgd_numel={1: 100}), world_size, world_size, GPUS["H100"], latency_only,
+                   latency_only, compression="powersgd1", pieces=buckets)
+    assert planned.collectives == planned.communication_s / (2 * (world_size - 1)) == calls[START_POWERSGD]
+
+
 @pytest.mark.parametrize("argv, phrase", [
     (["--params", "1e9", "--gpu", "B200"], "unknown GPU 'B200'; known: H100, H200, A100, V100, L4"),
     (["--params", "1e9", "--network", "carrier-pigeon"], "unknown network 'carrier-pigeon'"),
@@ -128,6 +187,7 @@ def test_powersgd_bytes_follow_torchs_rule():
     (["--params", "1e9", "--gpus", "-8"], "must be above zero, not -8"),
     (["--params", "1e9", "--gpus", "8", "--gpus-per-node", "16"], "--gpus-per-node 16 is more than --gpus 8"),
     (["--params", "1e9", "--compression", "powersgd4"], "give --model instead of --params"),
+    (["--params", "1e9", "--head", "causal-lm"], "--head causal-lm chooses the head of --model's config"),
 ])
 def test_bad_input_gets_one_sentence(capsys, argv, phrase):
     """argparse's way: the usage, then one sentence; exit 2."""

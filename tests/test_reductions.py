@@ -8,7 +8,8 @@ each planted wrong way with the same reference, which it must miss.
   - the token-mean loss of a tiny GPT-2 (common/lessons/token_loss.py) over 4 micro-batches of padded
     sequences of different lengths per rank; the wrong ways average means;
   - BatchNorm's statistics: per rank (plain BatchNorm under DDP) against the global batch's
-    (common/lessons/batch_norm.py's all-reduced stand-in for SyncBatchNorm, whose kernels are CUDA-only).
+    (common/lessons/batch_norm.py's all-reduced stand-in for SyncBatchNorm, whose kernels are CUDA-only),
+    also on bf16 activations, under autocast and in a bf16 model.
 In one process: fp16 loss scaling must unscale the gradients before they are clipped, every BERT
 script clips there, and its --help says so.
 """
@@ -20,15 +21,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from test_zero import small_model
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from common.cli import nli_parser
 from common.lessons.batch_norm import AllRanksBatchNorm2d, BatchNormNet
-from common.fsdp import fully_shard
-from common.nli import nli_parser
-from common.spawn import run_in_process_group
 from common.lessons.token_loss import WAYS, accumulate, token_loss_sum
 from common.lessons.zero import STAGES, ZeRO
-from test_zero import small_model
+from common.spawn import run_in_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 BERT_SCRIPTS = ["nli_dp_minimal.py", "nli_ddp_minimal.py", "data_parallel.py", "nli_loss_in_forward.py", "ddp.py",
@@ -243,9 +244,50 @@ def batch_norms(rank, world_size):
     return results
 
 
+BF16_IMAGES = 41  # per rank, of 3 x 3 pixels: 369 values per channel, 1107 in all; bf16 counts them as 368 and 1104
+BF16_SETTINGS = ("autocast", "bf16_model")  # an fp32 BatchNorm on bf16 activations under autocast; a model in bf16
+
+
+def bf16_activations():
+    """bf16 activations, as a convolution under autocast hands them on, with a mean (10) large beside their
+    spread (1): an error of 0.3% in the mean moves the normalized output by 0.03."""
+    generator = torch.Generator().manual_seed(11)
+    return (torch.randn(WORLD_SIZE * BF16_IMAGES, 4, 3, 3, generator=generator) + 10).bfloat16()
+
+
+def bf16_normalized(norm, images, setting):
+    """One training forward of norm in a bf16 setting: the output and the running statistics."""
+    norm = norm.train() if setting == "autocast" else norm.bfloat16().train()
+    with torch.autocast("cpu", torch.bfloat16, enabled=setting == "autocast"):
+        output = norm(images)
+    return {"output": output.detach(), "running": torch.stack([norm.running_mean, norm.running_var])}
+
+
+def one_process_bf16_batch_norm():
+    """The reference: nn.BatchNorm2d on the global batch under autocast, statistics in fp32, output in bf16 (a
+    BatchNorm in bf16 is no reference: on the CPU its output is off by up to 0.04 here)."""
+    return bf16_normalized(nn.BatchNorm2d(4), bf16_activations(), "autocast")
+
+
+def bf16_batch_norms(rank, world_size):
+    """Each rank's slice through AllRanksBatchNorm2d in each bf16 setting; every rank's outputs and running
+    statistics, gathered."""
+    mine = slice(rank * BF16_IMAGES, (rank + 1) * BF16_IMAGES)
+    results = {}
+    for setting in BF16_SETTINGS:
+        result = bf16_normalized(AllRanksBatchNorm2d(4), bf16_activations()[mine], setting)
+        for key in ("output", "running"):
+            every_rank = [torch.empty_like(result[key]) for _ in range(world_size)]
+            dist.all_gather(every_rank, result[key])
+            result[key] = every_rank
+        results[setting] = result
+    return results
+
+
 def every_check(rank, world_size):
     """Every multi-process check in one group: starting processes is the slow part."""
     return {"clipping": clipping(rank), "token_loss": token_losses(rank), "batch_norm": batch_norms(rank, world_size),
+            "batch_norm_bf16": bf16_batch_norms(rank, world_size),
             "lightning": lightning_clipped(rank)}  # last: the Trainer takes over the process's logging and warnings
 
 
@@ -319,6 +361,16 @@ def test_batch_statistics_over_all_ranks_equal_one_process(measured):
         assert_same(running, reference["running"])
     for got, want in zip(result["grads"], reference["grads"], strict=True):
         assert_same(got, want)
+
+
+@pytest.mark.parametrize("setting", BF16_SETTINGS)
+def test_batch_statistics_of_bf16_activations_equal_one_process(measured, setting):
+    """Counted and summed in bf16, the statistics are off by about 0.3% (368 of 369 values, 8 significant bits
+    per sum): they must be counted and all-reduced in fp32, as nn.BatchNorm2d computes them."""
+    result, reference = measured["batch_norm_bf16"][setting], one_process_bf16_batch_norm()
+    torch.testing.assert_close(torch.cat(result["output"]), reference["output"])  # also the dtype: bf16, rtol 1.6e-2
+    for running in result["running"]:  # fp32 under autocast, bf16 in the bf16 model: that dtype's tolerance
+        torch.testing.assert_close(running, reference["running"].to(running.dtype))
 
 
 def test_per_rank_batch_norm_is_not_one_process(measured):

@@ -9,7 +9,6 @@ import math
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -16,11 +16,10 @@ import shutil
 
 import pytest
 import torch
-
-from common.checkpoint import reseed
+from conftest import TORCHRUN, assert_ran, run_as_user
 from test_resume import CRASH, RESTARTABLE, RESUME, bitwise_equal, same_state
 
-from conftest import TORCHRUN, assert_ran, run_as_user
+from common.checkpoint import reseed
 
 BATCH, IMAGES = 12, 192
 CHAIN = [(2, 5), (3, 11), (2, 16)]  # (processes, the step it stops after); 16 steps in the epoch

@@ -16,12 +16,11 @@ import shutil
 
 import pytest
 import torch
+from conftest import ROOT, TORCHRUN, assert_ran, run_as_user
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from common.checkpoint import checkpoints_in
 from common.sharded_checkpoint import ShardedCheckpoints
-
-from conftest import ROOT, TORCHRUN, assert_ran, run_as_user
 
 CRASH = ROOT / "tests" / "crash.py"
 RESUME = ROOT / "src" / "ch4" / "resume"

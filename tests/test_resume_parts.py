@@ -1,21 +1,24 @@
 """The parts of a resume that a killed run on the CPU cannot show: which signals stop a run, how the
-ranks agree when several of them get one (SLURM signals every task), and the loss scaler's state
-through a checkpoint (only fp16 has one, and fp16 does not run on the CPU: a CPU GradScaler does)."""
+ranks agree when several of them get one (SLURM signals every task), the loss scaler's state
+through a checkpoint (only fp16 has one, and fp16 does not run on the CPU: a CPU GradScaler does), and
+a kill at each point of replacing a sharded checkpoint saved twice at one step."""
 import gc
 import importlib.util
 import os
+import shutil
 import signal
 import weakref
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ROOT
 
 from common.checkpoint import Checkpoints, Position
+from common.sharded_checkpoint import ShardedCheckpoints
 from common.spawn import run_in_process_group
 from common.stop_signal import StopSignal
-
-from conftest import ROOT
 
 
 def signals_agreed(rank, world_size):
@@ -85,3 +88,41 @@ def test_a_checkpoint_of_an_older_position_is_one_sentence(tmp_path):
     with pytest.raises(SystemExit, match="written by an older version of these scripts"):
         checkpoints.load_newest()
     assert torch.load(path, weights_only=True)["position"]["batches_done"] == 2
+
+
+class Killed(BaseException):
+    """A SIGKILL stand-in: nothing catches it, so nothing after the point where it is raised runs."""
+
+
+@pytest.mark.parametrize("kill_at", [1, 2, 3])
+def test_a_kill_while_a_sharded_checkpoint_is_replaced_leaves_a_complete_one(tmp_path, monkeypatch, kill_at):
+    """The end of training saves the step of the last periodic checkpoint again. The kill_at-th rename or
+    removal of a folder of the checkpoint folder in that second save is killed (renaming the old step-8/
+    aside, the new one into place, removing the old); a later start still finds a complete step 8, and it
+    loads: the old weights before the new folder is in place, the new ones after. Removing the old folder
+    first, as before, leaves no step 8 after a kill before the rename."""
+    folder = tmp_path / "checkpoints"
+    ShardedCheckpoints(folder, 8, {}, torch.device("cpu")).save(Position(step=8), {"model": {"w": torch.ones(4)}})
+    operations = []
+
+    def killed_at(original):
+        def operation(path, *args, **kwargs):
+            if Path(path).parent == folder:
+                operations.append(path)
+                if len(operations) == kill_at:
+                    raise Killed
+            return original(path, *args, **kwargs)
+        return operation
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "rename", killed_at(Path.rename))
+        patch.setattr(shutil, "rmtree", killed_at(shutil.rmtree))
+        with pytest.raises(Killed):
+            ShardedCheckpoints(folder, 8, {}, torch.device("cpu")).save(Position(step=8), {"model": {"w": torch.full((4,), 2.0)}})
+    assert (folder / "step-00000008").is_dir() or (folder / "step-00000008.old").is_dir()
+    restarted = ShardedCheckpoints(folder, 8, {}, torch.device("cpu"))
+    with torch.random.fork_rng():  # loading restores the saved random state
+        loaded = restarted.load_newest(lambda: {"model": {"w": torch.zeros(4)}})
+    assert loaded["position"]["step"] == 8
+    assert torch.equal(loaded["model"]["w"], torch.full((4,), 1.0 if kill_at < 3 else 2.0))
+    assert not list(folder.glob("*.old"))  # put back, or removed beside a complete step-8/

@@ -13,8 +13,8 @@ import pytest
 import torch.distributed as dist
 
 import planner.plan as planner
-from planner.simulate import Case, fake_group, gathered_and_buffers, main, measure_step, simulate
 from common.spawn import run_in_process_group
+from planner.simulate import Case, fake_group, gathered_and_buffers, main, measure_step, simulate
 
 SMALL = Case("fsdp", 2, 2, layers=2, hidden=64, batch=4)
 CHECKED = ("param_bytes", "grad_bytes", "optimizer_bytes", "collectives")  # what equals a real run, below
@@ -143,6 +143,7 @@ def test_1024_ranks_of_fsdp_gather_each_layer_twice_and_hold_a_1024th(capsys):
     (["--model", "MISSING", "--gpus", "2"], "no config.json there and not in the Hugging Face cache"),
     (["--layers", "2", "--hidden", "64", "--strategy", "zero3", "--wrap", "blocks+embeddings"],
      "--wrap blocks+embeddings is FSDP2's: zero3 has no groups of blocks to wrap"),
+    (["--layers", "2", "--hidden", "64", "--head", "causal-lm"], "--head causal-lm chooses the head of --model's config"),
 ])
 def test_bad_input_is_one_sentence(argv, says, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -173,7 +174,7 @@ def test_a_model_that_cannot_be_built_on_fake_tensors_is_one_sentence(tmp_path, 
             return cls(config)
 
     LlamaConfig(**TOY_LLAMA).save_pretrained(tmp_path)
-    monkeypatch.setattr(planner, "head_class", lambda config: NeedsValues)
+    monkeypatch.setattr(planner, "head_class", lambda config, head: NeedsValues)
     with pytest.raises(SystemExit) as stopped:
         main(["--model", str(tmp_path), "--gpus", "2", "--seq", "8"])
     err = capsys.readouterr().err
@@ -189,3 +190,23 @@ def test_a_tied_model_is_refused_by_zero_and_by_the_split_wrap(tmp_path, capsys)
         with pytest.raises(SystemExit):
             main(["--model", str(tmp_path), "--gpus", "2", "--seq", "8", *argv])
         assert says in capsys.readouterr().err
+
+
+def test_a_decoder_only_config_that_names_no_architecture_is_simulated_as_a_causal_lm(tmp_path, capsys):
+    """A config made in code and saved (LlamaConfig(...).save_pretrained) names no architectures: Llama's model
+    type is decoder-only, so the step is a causal LM's, untied head and all, as if the config named
+    LlamaForCausalLM; a BERT config stays a classifier, and --head chooses by hand. The first line names the
+    class built, and so does the JSON."""
+    from transformers import BertConfig, LlamaConfig
+    LlamaConfig(**{key: value for key, value in TOY_LLAMA.items() if key != "architectures"}).save_pretrained(tmp_path / "llama")
+    BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+               max_position_embeddings=16).save_pretrained(tmp_path / "bert")
+    main(["--model", str(tmp_path / "llama"), "--gpus", "2", "--seq", "8", "--strategy", "ddp", "--json"])
+    [result] = json.loads(capsys.readouterr().out)
+    named = planner.model_of_config(LlamaConfig(**TOY_LLAMA))  # architectures=["LlamaForCausalLM"]
+    assert result["params"] == named.params and result["measured"]["param_bytes"] == 4 * named.params
+    assert result["model_class"] == "LlamaForCausalLM"
+    for folder, flags, built in (("llama", [], "LlamaForCausalLM"), ("bert", [], "BertForSequenceClassification"),
+                                 ("llama", ["--head", "sequence-classification"], "LlamaForSequenceClassification")):
+        main(["--model", str(tmp_path / folder), "--gpus", "2", "--seq", "8", "--strategy", "ddp", *flags])
+        assert f" parameters in {built} at 2 simulated ranks" in capsys.readouterr().out.splitlines()[0]

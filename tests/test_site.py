@@ -6,10 +6,10 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -36,13 +36,83 @@ def chapters():
     return [value for entry in nav for value in entry.values() if isinstance(value, str) and value != "index.md"]
 
 
-def test_the_site_builds_with_strict_checks(tmp_path):
-    """`make docs`: a broken link, anchor, include or a page left out of the nav fails the build."""
-    result = subprocess.run([*MKDOCS, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """`make docs` into a temporary folder, once for the tests that read the built site."""
+    site = tmp_path_factory.mktemp("site")
+    result = subprocess.run([*MKDOCS, "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
                             capture_output=True, text=True, timeout=120, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "site" / "index.html").is_file() and (tmp_path / "site" / "mnist" / "index.html").is_file()
-    assert (tmp_path / "site" / "repo" / "src" / "ch4" / "mnist_3_ddp.py" / "index.html").is_file()
+    return site
+
+
+def test_the_site_builds_with_strict_checks(site):
+    """`make docs`: a broken link, anchor, include or a page left out of the nav fails the build."""
+    assert (site / "index.html").is_file() and (site / "mnist" / "index.html").is_file()
+    assert (site / "repo" / "src" / "ch4" / "mnist_3_ddp.py" / "index.html").is_file()
+
+
+# ---- images: one copy, in the top-level images/, shown on GitHub and in the site ----
+
+IMAGES = ROOT / "images"
+IMAGE_LINK = re.compile(r"\]\(([^)\s#]+\.(?:png|svg|gif|jpe?g))\)")
+EMBEDDED = re.compile(r"!\[[^\]]*\]\(([^)\s#]+)\)")  # ![alt](path): shown in the page
+SITE_IMAGE = re.compile(r'<img [^>]*?src="([^"]+)"|<a [^>]*?href="([^"#]+\.(?:png|svg|gif|jpe?g))"')
+
+
+def unresolved_images(markdown, source_dir):
+    """The image links of a page in `source_dir` (of the repository) that, resolved as GitHub does, are not a
+    file of images/."""
+    return [link for link in IMAGE_LINK.findall(markdown)
+            if (ROOT / source_dir / link).resolve().parent != IMAGES or not (ROOT / source_dir / link).is_file()]
+
+
+def unresolved_site_images(site):
+    """(page, src) of every <img src>, and every link to an image, of the built site that is not a file in it."""
+    broken = []
+    for html in sorted(site.rglob("*.html")):
+        for src in filter(None, (group for found in SITE_IMAGE.findall(html.read_text()) for group in found)):
+            if not (html.parent / src).resolve().is_file() or site.resolve() not in (html.parent / src).resolve().parents:
+                broken.append((str(html.relative_to(site)), src))
+    return broken
+
+
+@pytest.mark.parametrize("page", ["README.md", *(f"docs/{page}" for page in PAGES)])
+def test_every_image_a_page_links_is_in_images(page):
+    source_dir = "." if page == "README.md" else "docs"
+    missing = unresolved_images((ROOT / page).read_text(), source_dir)
+    assert not missing, f"{page} links images that are not files of images/ (link them as ../images/x.png): {missing}"
+
+
+def test_the_site_shows_every_image_the_pages_link(site):
+    """Every image a page links is in the built site, the bytes of images/; every image a page shows is an <img>
+    of the page built from it; and every <img src> or image link of the site resolves to a file in it."""
+    for page, source_dir in [("README.md", "."), *((f"docs/{page}", "docs") for page in PAGES)]:
+        text = (ROOT / page).read_text()
+        for link in IMAGE_LINK.findall(text):
+            name = Path(link).name
+            assert (site / "images" / name).read_bytes() == (IMAGES / name).read_bytes(), f"{page}: {link}"
+        html = site / ("index.html" if page == "README.md" else f"{Path(page).stem}/index.html")
+        shown = {(html.parent / src).resolve() for src in re.findall(r'<img [^>]*?src="([^"]+)"', html.read_text())}
+        embedded = {(site / "images" / Path(link).name).resolve() for link in EMBEDDED.findall(text)}
+        assert embedded <= shown, f"{page}: shown in no <img> of {html.relative_to(site)}: {sorted(embedded - shown)}"
+    assert not unresolved_site_images(site)
+
+
+def test_a_missing_image_is_found(tmp_path):
+    """Negative control: a page linking an image that is not in images/, or by the old docs/-relative path, and
+    a built page whose <img src> leads nowhere."""
+    assert unresolved_images("![a figure](../images/mnist_speed_cpu.png)", "docs") == []
+    assert unresolved_images("![a figure](images/mnist_speed_cpu.png)", ".") == []
+    assert unresolved_images("![a figure](../images/missing.png)", "docs") == ["../images/missing.png"]
+    assert unresolved_images("![a figure](images/mnist_speed_cpu.png)", "docs") == ["images/mnist_speed_cpu.png"]
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "x.png").write_bytes(b"png")
+    (tmp_path / "page").mkdir()
+    (tmp_path / "page" / "index.html").write_text('<p><img alt="x" src="../images/x.png" /></p>')
+    assert unresolved_site_images(tmp_path) == []
+    (tmp_path / "page" / "index.html").write_text('<p><img alt="x" src="../images/y.png" /></p>')
+    assert unresolved_site_images(tmp_path) == [("page/index.html", "../images/y.png")]
 
 
 def test_every_page_is_in_the_nav_once():
@@ -86,6 +156,7 @@ def prose_lines(text):
     """The lines a reader reads as the lesson: outside fenced code and <details> blocks."""
     text = re.sub(r"^(`{3,}).*?^\1$", "", text, flags=re.MULTILINE | re.DOTALL)
     text = re.sub(r"<details>.*?</details>", "", text, flags=re.DOTALL)
+    text = re.sub(r"\n\s*\n(\s*\n)+", "\n\n", text)  # a block taken out leaves one paragraph break, not its blank lines
     return [line for line in text.splitlines()]
 
 

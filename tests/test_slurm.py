@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, TEST_IMAGES
 
 HARNESS = ROOT / "tests" / "slurm" / "local_cluster.sh"
@@ -106,8 +105,8 @@ def test_job_script_outside_an_allocation_says_how_to_submit():
 
 
 # tests/crash.py runs the script unchanged, 0.3 s slower per step until the requeue: a window to interrupt it
-RESUME = ["tests/crash.py", "slow-first-run", "src/ch4/resume/mnist_3_ddp_resume.py", "--checkpoint-every", "4", "--batch-size", "32", "--epochs", "6",
-          "--precision", "fp32", "--dist-timeout", "120"]
+RESUME = ["tests/crash.py", "slow-first-run", "src/ch4/resume/mnist_3_ddp_resume.py", "--checkpoint-every", "4", "--batch-size", "32",
+          "--epochs", "6", "--precision", "fp32", "--dist-timeout", "120"]
 INTERRUPT = {  # how each job is stopped once it has trained an epoch
     "uninterrupted": None,
     "preempted (scontrol requeue)": lambda job: ["scontrol", "requeue", job],

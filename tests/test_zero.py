@@ -4,6 +4,7 @@ Real gloo groups of 2 and 3 processes. Each rank starts from different weights (
 copy rank 0's), feeds its own batches, and after a few AdamW steps the full parameters of every
 stage equal DDP's. The model's unit sizes (32, 8 and 15 numbers) do not divide by 2 or 3, so the
 padded shards are exercised. Dropout is off (eval mode), so that both see the same arithmetic.
+Stage 3 also trains a model one of whose units returns a tuple (or a dict) as DDP does.
 """
 import copy
 
@@ -14,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.spawn import run_in_process_group
 from common.lessons.zero import STAGES, ZeRO, _Unit
+from common.spawn import run_in_process_group
 
 STEPS = 3
 
@@ -76,6 +77,65 @@ def train_against_ddp(rank, world_size, stage, local_gradients_only=False):
             "param_storage": [p.untyped_storage().nbytes() for p in module.parameters()]}
 
 
+class TupleLinear(nn.Linear):
+    """A unit (a module with its own parameters) whose output is a tuple, both of whose tensors reach the loss."""
+
+    def forward(self, inputs):
+        hidden = super().forward(inputs)
+        return hidden, hidden.tanh()
+
+
+class DictLinear(nn.Linear):
+    """The same with a dict (as transformers' layers return ModelOutputs)."""
+
+    def forward(self, inputs):
+        hidden = super().forward(inputs)
+        return {"hidden": hidden, "gate": hidden.sigmoid()}
+
+
+class NestedOutputModel(nn.Module):
+    """The nested unit second, so that its backward needs its weight (for the gradient of its input)."""
+
+    def __init__(self, unit: type[nn.Linear]):
+        super().__init__()
+        self.first, self.nested, self.norm, self.head = nn.Linear(7, 5), unit(5, 4), nn.LayerNorm(4), nn.Linear(4, 3)
+
+    def forward(self, inputs):
+        output = self.nested(self.first(inputs))
+        hidden, gate = output if isinstance(output, tuple) else (output["hidden"], output["gate"])
+        return self.head(self.norm(hidden * gate))
+
+
+def nested_outputs_against_ddp(rank, world_size, unit):
+    """STEPS steps of ZeRO-3 beside DDP on a model whose second unit returns a tuple or a dict: both end
+    weights, and how many times each unit was gathered in each backward."""
+    torch.manual_seed(rank)
+    module = NestedOutputModel(unit).eval()
+    reference = DDP(copy.deepcopy(module))
+    reference_optimizer = adamw(reference.parameters())
+    ours = ZeRO(module, 3, adamw)
+    gathers = [0] * len(ours.units)
+    for index, zero_unit in enumerate(ours.units):
+        def counted(gather=zero_unit.gather, index=index):
+            gathers[index] += 1
+            gather()
+        zero_unit.gather = counted
+    gathers_in_backward = []
+    for step in range(STEPS):
+        inputs, labels = batch_for(rank, step)
+        loss = F.cross_entropy(ours(inputs), labels)
+        before = list(gathers)
+        loss.backward()
+        gathers_in_backward.append([after - was for after, was in zip(gathers, before)])
+        ours.step()
+        ours.zero_grad()
+        F.cross_entropy(reference(inputs), labels).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    return {"ours": ours.full_parameters(), "ddp": [p.detach().clone() for p in reference.parameters()],
+            "gathers_in_backward": gathers_in_backward}
+
+
 def misuse_is_an_error():
     with pytest.raises(ValueError, match="stage must be one of"):
         ZeRO(small_model(), 4, adamw)
@@ -87,7 +147,8 @@ def misuse_is_an_error():
 def every_stage(rank, world_size):
     """All three stages in one process group (starting processes is the slow part), misuse, and last
     (it patches common.lessons.zero in these processes) the planted bug."""
-    results = {"misuse": misuse_is_an_error(), **{stage: train_against_ddp(rank, world_size, stage) for stage in STAGES}}
+    results = {"misuse": misuse_is_an_error(), **{stage: train_against_ddp(rank, world_size, stage) for stage in STAGES},
+               **{unit.__name__: nested_outputs_against_ddp(rank, world_size, unit) for unit in (TupleLinear, DictLinear)}}
     return {**results, "local_gradients_only": train_against_ddp(rank, world_size, 2, local_gradients_only=True)}
 
 
@@ -119,6 +180,15 @@ def test_without_averaging_the_gradients_the_comparison_fails(every_stage_run):
     result = every_stage_run[1]["local_gradients_only"]
     assert not all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(result["ours"], result["ddp"]))
     assert result["gradient_gap"] > 1e-3
+
+
+@pytest.mark.parametrize("unit", ["TupleLinear", "DictLinear"])
+def test_stage_3_gathers_once_for_the_backward_of_a_unit_returning_a_tuple_or_dict(every_stage_run, unit):
+    """Without the gather before backward, the unit's backward would read parameters already freed."""
+    result = every_stage_run[1][unit]
+    for ours, ddp in zip(result["ours"], result["ddp"], strict=True):
+        torch.testing.assert_close(ours, ddp, rtol=1e-5, atol=1e-6)
+    assert result["gathers_in_backward"] == [[1, 1, 1, 1]] * STEPS  # each unit once per backward
 
 
 def tiny_bert_stage_3(rank, world_size, folder):

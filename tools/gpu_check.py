@@ -19,8 +19,9 @@ CUDA_VISIBLE_DEVICES is set to the empty string on purpose), and where every tes
 
 --cpu runs the same rows on the CPU in the test suite (tests/test_gpu_paths.py): the MNIST scripts as real
 processes on whatever MNIST --data-dir holds (a tiny one there), two at a time, the BERT rows on a toy
-BertConfig, and no tests/test_gpu.py (the suite runs it itself). A row in a precision the CPU refuses (fp16) runs in the CPU's
---precision auto (bf16 with bf16 units, else fp32), and the page says so.
+BertConfig, and no tests/test_gpu.py (the suite runs it itself). A row in a precision the CPU refuses (fp16) or only
+emulates (bf16 without bf16 units, several times slower than fp32) runs in the CPU's --precision auto (bf16 with bf16
+units, else fp32), and the page says so.
 
 MNIST must be on the GPU machine itself: where the repository is copied there (a working tree sent to
 a lent machine), a folder beside it such as ../shared/data does not travel, so copy MNIST/raw into the
@@ -45,9 +46,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from common.machine import machine_name  # noqa: E402  (after the path above)
-from planner.plan import GB, GPU, GPUS, NETWORKS, model_of_config, plan, step_flops  # noqa: E402
-from common.precision import FP16_DEVICES, auto_precision, autocast, grad_scaler, optimizer_step  # noqa: E402
 from common.memory import optimizer_tensors, storage_bytes  # noqa: E402
+from common.precision import FP16_DEVICES, auto_precision, autocast, grad_scaler, optimizer_step  # noqa: E402
+from planner.plan import GB, GPU, GPUS, NETWORKS, model_of_config, plan, step_flops  # noqa: E402
 
 RESULTS = ROOT / "docs" / "gpu_results.md"
 NO_GPU = "gpu-check: no CUDA GPU is visible on this machine, so there is nothing to check; run it where there is one."
@@ -60,10 +61,13 @@ TOY_STEPS = {"batch": 2, "tokens": 8, "warmup": 1, "steps": 1}
 FAILED = (Exception, SystemExit)  # what one row may raise without stopping the others (not KeyboardInterrupt)
 
 
-def on_device(precision: str, device: torch.device) -> str:
-    """The precision a row runs in: its own, except fp16 where common.precision refuses it (the CPU): there the
-    device's --precision auto (on a CPU bf16 with bf16 units, else fp32)."""
-    return auto_precision(device) if precision == "fp16" and device.type not in FP16_DEVICES else precision
+def on_device(precision: str, device: torch.device, has_bf16: bool | None = None) -> str:
+    """The precision a row runs in: its own, except fp16 where common.precision refuses it and bf16 on a CPU, which
+    without bf16 units only emulates it: there the device's --precision auto (on a CPU bf16 with bf16 units, else
+    fp32; has_bf16 defaults to this CPU's)."""
+    refused = precision == "fp16" and device.type not in FP16_DEVICES
+    emulated = precision == "bf16" and device.type == "cpu"
+    return auto_precision(device, has_bf16=has_bf16) if refused or emulated else precision
 
 
 def one_line(error: BaseException, width: int = 240) -> str:
@@ -93,23 +97,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def mnist_runs(data_dir: str, device: torch.device) -> dict[tuple[str, str], tuple[list[str], str]]:
-    """Each row, (name, precision) -> (the command a user types, the precision it runs in on this device).
+def mnist_runs(data_dir: str, device: torch.device, has_bf16: bool | None = None) -> dict[tuple[str, str], tuple[list[str], str]]:
+    """Each row, (name, precision) -> (the command a user types, the precision it runs in on this device: on_device's).
     accelerate launch gets a free port (two checks at once would both take 29500) and, where the device refuses
     the config's fp16, the device's precision (its --mixed_precision overrides the config's)."""
     python, ch4 = sys.executable, "src/ch4"
     data = ["--data-dir", str(data_dir)]
-    accelerate = on_device("fp16", device)
+    accelerate, bf16 = on_device("fp16", device, has_bf16), on_device("bf16", device, has_bf16)
     override = [] if accelerate == "fp16" else ["--mixed_precision", {"fp32": "no"}.get(accelerate, accelerate)]
     return {
         ("MNIST epoch: original loop (per-sample transforms)", "fp32"): ([python, "benchmarks/reference_mnist.py", *data], "fp32"),
         ("MNIST epoch: mnist_1_single.py", "fp32"):
             ([python, f"{ch4}/mnist_1_single.py", *data, "--epochs", "1", "--precision", "fp32"], "fp32"),
         ("MNIST epoch: mnist_1_single.py", "bf16"):
-            ([python, f"{ch4}/mnist_1_single.py", *data, "--epochs", "1", "--precision", "bf16"], "bf16"),
+            ([python, f"{ch4}/mnist_1_single.py", *data, "--epochs", "1", "--precision", bf16], bf16),
         ("MNIST epoch: mnist_3_ddp.py, torchrun, 1 process", "bf16"):
             ([python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", f"{ch4}/mnist_3_ddp.py", *data,
-              "--epochs", "1", "--precision", "bf16"], "bf16"),
+              "--epochs", "1", "--precision", bf16], bf16),
         ("MNIST epoch: mnist_4_accelerate.py, accelerate launch, 1 process", "fp16"):
             ([python, "-m", "accelerate.commands.launch", "--config_file", f"{ch4}/accelerate_configs/multi_gpu_fp16.yaml",
               "--num_processes", "1", "--main_process_port", str(free_port()), *override, f"{ch4}/mnist_4_accelerate.py",
@@ -310,7 +314,10 @@ def run_gpu_tests(env: dict[str, str], timeout: int = PYTEST_TIMEOUT) -> tuple[s
 
 
 def precision_cell(precision: str, ran_as: str) -> str:
-    return precision if ran_as == precision else f"{precision}, ran in {ran_as} (the CPU has no fp16)"
+    if ran_as == precision:
+        return precision
+    why = "the CPU has no fp16" if precision == "fp16" else "the CPU has no bf16 units"
+    return f"{precision}, ran in {ran_as} ({why})"
 
 
 def bert_table(bert: dict, device: str, toy: bool = False) -> list[str]:

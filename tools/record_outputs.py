@@ -210,8 +210,9 @@ def run_spec(spec, data_dir):
 
 
 def record(page_path, name, spec, data_dir):
-    from common.machine import machine_name
     import torch
+
+    from common.machine import machine_name
     code, output = run_spec(spec, data_dir)
     if code != 0 and spec["options"].get("exit") != "any":
         tail = "\n".join(output[-15:])

@@ -3,6 +3,8 @@
 The pages link what GitHub shows beside them: `../src/ch4/ddp.py`, `../notebooks/x.ipynb`, the home page
 is README.md. MkDocs serves only its docs folder, so these hooks
   - make README.md the site's home page, its `docs/` links pointing at the pages;
+  - copy the figures of the top-level images/ into the site's images/ as they are, and point the image links
+    (`../images/x.png` from a page, `images/x.png` from README) there: an image must show, not get a page;
   - give every file or folder outside docs/ that a page links a generated page of its own under repo/
     (a script as highlighted source, a notebook as its cells, a folder as the list of its files), and point
     the links there, so that a link from the site never leaves it and never breaks;
@@ -17,6 +19,7 @@ from pathlib import Path
 from mkdocs.structure.files import File, InclusionLevel
 
 ROOT = Path(__file__).resolve().parent.parent
+IMAGES = "images"  # the one folder of figures, at the top of the repository and of the site
 LINK = re.compile(r"(\]\()([^)\s#]+)(#[^)\s]*)?(\))")
 FOOTER = re.compile(r"\n---\nPrevious: [^\n]*\n*\Z")
 LANGUAGES = {".py": "python", ".yaml": "yaml", ".yml": "yaml", ".sh": "bash", ".sbatch": "bash", ".toml": "toml"}
@@ -40,6 +43,8 @@ def rewrite_links(markdown, source_dir, location, wanted):
             uri = "index.md"  # the site's home page
         elif target.startswith("docs/"):
             uri = posixpath.relpath(target, "docs")
+        elif target.startswith(f"{IMAGES}/"):
+            uri = target  # copied as it is by on_files; a missing one is left for MkDocs' check to report
         elif (ROOT / target).exists():
             wanted.add(target)
             uri = generated_uri(target)
@@ -76,8 +81,13 @@ def notebook_page(target, notebook):
 
 
 def on_files(files, config):
-    """README as the home page; a generated page for every file or folder outside docs/ that a page links."""
+    """README as the home page; the figures of images/ as they are; a generated page for every other file or
+    folder outside docs/ that a page links."""
     files.append(File.generated(config, "index.md", content=(ROOT / "README.md").read_text()))
+    for image in sorted((ROOT / IMAGES).iterdir()):
+        if image.is_file() and not image.name.startswith("."):
+            files.append(File(f"{IMAGES}/{image.name}", src_dir=str(ROOT), dest_dir=config.site_dir,
+                              use_directory_urls=config.use_directory_urls))
     todo = set()
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         rewrite_links(page.read_text(), "." if page == ROOT / "README.md" else "docs", ".", todo)

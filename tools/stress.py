@@ -11,14 +11,14 @@ the first failure's output is printed so that the cause can be read.
 """
 import argparse
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-OUT = Path(tempfile.mkdtemp(prefix="stress-"))  # figures drawn here, not over docs/images/
+OUT = Path(tempfile.mkdtemp(prefix="stress-"))  # figures drawn here, not over images/
 CHECKS = {  # name: the command, run from the repository root; every module that spawns a process group
     "overlap figure": [PY, "figures/overlap_timeline.py", "--toy", "--out", str(OUT / "overlap.png")],
     "step-time figure": [PY, "figures/step_time_breakdown.py", "--toy", "--out", str(OUT / "step_time.png")],

@@ -42,16 +42,21 @@ class AllRanksBatchNorm2d(nn.BatchNorm2d):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        count = torch.full((1,), x.numel() / x.shape[1], dtype=x.dtype, device=x.device)
+        # Count, sum and all-reduce in fp32 at least, as nn.BatchNorm2d does on bf16 activations under autocast:
+        # bf16 counts exactly only up to 256, and its sums keep 8 significant bits.
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        count = torch.full((1,), x.numel() / x.shape[1], dtype=dtype, device=x.device)
         dist.all_reduce(count)  # a constant: no gradient flows through it
-        mean = _SumOverRanks.apply(x.sum((0, 2, 3))) / count
-        centered = x - mean.view(1, -1, 1, 1)
+        wide = x.to(dtype)
+        mean = _SumOverRanks.apply(wide.sum((0, 2, 3))) / count
+        centered = wide - mean.view(1, -1, 1, 1)
         var = _SumOverRanks.apply(centered.pow(2).sum((0, 2, 3))) / count  # two passes: no cancellation
         with torch.no_grad():  # the running statistics, as nn.BatchNorm2d keeps them (unbiased variance)
             self.num_batches_tracked.add_(1)
-            self.running_mean.lerp_(mean, self.momentum)
-            self.running_var.lerp_(var * count / (count - 1), self.momentum)
-        return centered / (var + self.eps).sqrt().view(1, -1, 1, 1) * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+            self.running_mean.lerp_(mean.to(self.running_mean.dtype), self.momentum)
+            self.running_var.lerp_((var * count / (count - 1)).to(self.running_var.dtype), self.momentum)
+        normalized = centered / (var + self.eps).sqrt().view(1, -1, 1, 1) * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+        return normalized.to(x.dtype)  # as nn.BatchNorm2d returns it, under autocast too
 
 
 class BatchNormNet(BasicNet):

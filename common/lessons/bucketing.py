@@ -8,7 +8,12 @@ all-reduce starts asynchronously while backward goes on with the earlier layers.
 optimizer step, wait_for_gradients() waits for the outstanding all-reduces and writes the averaged
 gradients back. torch's DistributedDataParallel does the same, in C++, with the same argument name
 (bucket_cap_mb, default 25) and a first bucket of 1 MB so that communication starts early.
+
+Gradient accumulation works as with DDP: run the forward and backward of every micro-batch but the
+last inside no_sync(), where gradients only add up in .grad; the last backward all-reduces the sum.
 """
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -34,11 +39,34 @@ class BucketedDataParallel(nn.Module):
         self._bucket_of = {param: index for index, bucket in enumerate(self.buckets) for param in bucket}
         self._ready = [0] * len(self.buckets)
         self._in_flight: list[tuple[int, torch.Tensor, dist.Work]] = []
+        self.require_backward_grad_sync = True  # DDP's name for what no_sync() turns off
+        self._sync_backward = True  # whether the backward of the last forward all-reduces
         for param in params:
-            param.register_post_accumulate_grad_hook(self._gradient_ready)
+            param.register_post_accumulate_grad_hook(self._gradient_accumulated)
 
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():  # as in DDP, the forward decides whether its backward all-reduces
+            self._sync_backward = self.require_backward_grad_sync
         return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward of a forward run inside only adds into .grad, for gradient accumulation: the next
+        backward outside all-reduces the accumulated gradient, as with DDP's no_sync()."""
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    def _gradient_accumulated(self, param: nn.Parameter) -> None:
+        """The hook: backward has just added param's gradient into param.grad."""
+        index = self._bucket_of[param]
+        if self._ready[index] == len(self.buckets[index]):  # wait_for_gradients() would overwrite this gradient
+            raise RuntimeError("backward() ran again before wait_for_gradients(): to accumulate gradients, "
+                               "run every micro-batch but the last inside no_sync()")
+        if self._sync_backward:
+            self._gradient_ready(param)
 
     def _gradient_ready(self, param: nn.Parameter) -> None:
         index = self._bucket_of[param]
@@ -51,7 +79,7 @@ class BucketedDataParallel(nn.Module):
         """Call between backward() and optimizer.step(): finish every all-reduce and average."""
         if len(self._in_flight) != len(self.buckets):
             raise RuntimeError(f"only {len(self._in_flight)} of {len(self.buckets)} gradient buckets were "
-                               "all-reduced: call backward() once before wait_for_gradients()")
+                               "all-reduced: call backward() once outside no_sync() before wait_for_gradients()")
         world_size = dist.get_world_size()
         for index, flat, work in self._in_flight:
             work.wait()

@@ -24,6 +24,10 @@ buffer of which each rank keeps its shard (pytorch/pytorch#118911), so on the CP
 an all-reduce's bytes plus an all-gather's. The results are the same; only NCCL shows the saving.
 gloo has no average, so the sum is divided by N.
 
+A module's output may be a tensor or any nesting of tuples, lists and dicts of them (a transformers
+ModelOutput too): stage 3 gathers the parameters again for backward when the first gradient of any of
+its tensors arrives, once per backward.
+
 Limits, to stay short: fp32 parameters (no bf16 copy with an fp32 master), one backward per step,
 each module called once per forward, no parameter shared between modules.
 """
@@ -32,6 +36,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
 
 STAGES = (1, 2, 3)
 
@@ -116,8 +122,10 @@ class ZeRO(nn.Module):
     def _after_forward(self, unit: _Unit, output) -> None:
         """Free the unit's parameters; if a backward will follow, gather them again just before it."""
         unit.free()
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda grad: unit.gather())  # runs before backward enters this module
+        tensors = [leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, torch.Tensor)]
+        # mode "any": once per backward, at the first of their gradients (those needing none are skipped),
+        # which backward computes before it enters this module
+        register_multi_grad_hook(tensors, lambda grad: unit.gather(), mode="any")
 
     def _gradient_ready(self, unit: _Unit) -> None:
         unit.grads_ready += 1

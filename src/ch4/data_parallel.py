@@ -22,9 +22,10 @@ from torch.utils.data import RandomSampler, SequentialSampler
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from common.compile import add_compile_flag, compiled
+from common.cli import add_compile_flag, nli_parser
+from common.compile import compiled
 from common.distributed import device_for, print0
-from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
+from common.nli import load_model_and_tokenizer, load_pairs, nli_loader, to_device, tokenize_pairs
 from common.precision import Autocast, autocast, grad_scaler, optimizer_step, resolve_precision
 
 
@@ -77,8 +78,8 @@ def main(args):
     train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length) for pairs in (train_pairs, eval_pairs))
     batch_size = args.batch_size
     train_sampler = RandomSampler(train_set)
-    train_loader = make_loader(train_set, tokenizer, batch_size, train_sampler)
-    eval_loader = make_loader(eval_set, tokenizer, args.eval_batch_size, SequentialSampler(eval_set))
+    train_loader = nli_loader(train_set, tokenizer, batch_size, train_sampler)
+    eval_loader = nli_loader(eval_set, tokenizer, args.eval_batch_size, SequentialSampler(eval_set))
 
     model = model.to(device)
     model = nn.DataParallel(Autocast(model, device, precision))  # every visible GPU; autocast inside each replica's thread

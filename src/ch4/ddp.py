@@ -16,22 +16,23 @@ Under SLURM: sbatch -N2 --gpus-per-node=4 slurm/torchrun.sbatch src/ch4/ddp.py
 Lines marked `# STEP` are what this step changes in data_parallel.py.
 """
 import time
+from datetime import timedelta
 
 import torch
-import torch.distributed as dist  # STEP
+import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP  # STEP
-from torch.utils.data.distributed import DistributedSampler  # STEP
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from common.cli import per_process_batch  # STEP
-from common.compile import add_compile_flag, compiled
-from common.distributed import device_for, init_process_group, print0, processes, require_launcher  # STEP
-from common.gather import sum_across_ranks  # STEP
-from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
-from common.precision import autocast, grad_scaler, optimizer_step, resolve_precision  # STEP: one thread per process: no Autocast wrapper
-from common.samplers import DistributedEvalSampler  # STEP
+from common.cli import add_compile_flag, nli_parser, per_process_batch
+from common.compile import compiled
+from common.distributed import backend_for, device_for, exit_if_peers_missing, print0, processes, require_launcher
+from common.gather import sum_across_ranks
+from common.nli import load_model_and_tokenizer, load_pairs, nli_loader, to_device, tokenize_pairs
+from common.precision import autocast, grad_scaler, optimizer_step, resolve_precision
+from common.samplers import DistributedEvalSampler
 
 
 def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, max_grad_norm, steps_left, progress):
@@ -76,7 +77,13 @@ def evaluate(model, loader, device, precision):
 def main(args):
     launch = require_launcher("src/ch4/ddp.py")  # STEP: rank, local rank, world size from torchrun or srun
     device = device_for(launch)  # STEP: cuda:LOCAL_RANK, never the global rank; one GPU per process
-    init_process_group(launch, device, args.dist_timeout)  # STEP: nccl on GPUs, gloo on the CPU
+    timeout = timedelta(seconds=args.dist_timeout)  # STEP: how long a process waits for its peers
+    if device.type != "cpu":  # STEP
+        torch.get_device_module(device).set_device(device)  # STEP: device_id does not; object collectives use the current GPU
+    with exit_if_peers_missing(launch, args.dist_timeout):  # STEP: a peer that never arrives ends the run in one sentence
+        dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,  # STEP: nccl on GPUs, gloo on the CPU
+                                timeout=timeout, device_id=device if device.type != "cpu" else None)  # STEP: NCCL: this GPU, connected now
+        dist.barrier(async_op=True).wait(timeout=timeout)  # STEP: every peer has joined, or an error within the timeout
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed + launch.rank)  # STEP: own dropout masks per rank; DDP copies rank 0's weights to all
 
@@ -85,8 +92,8 @@ def main(args):
     train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length) for pairs in (train_pairs, eval_pairs))
     batch_size = per_process_batch(args.batch_size, launch.world_size)  # STEP: each rank loads 1/N of the global batch
     train_sampler = DistributedSampler(train_set, seed=args.seed)  # STEP: a disjoint 1/N of the shuffled indices
-    train_loader = make_loader(train_set, tokenizer, batch_size, train_sampler)
-    eval_loader = make_loader(eval_set, tokenizer, args.eval_batch_size, DistributedEvalSampler(eval_set))  # STEP
+    train_loader = nli_loader(train_set, tokenizer, batch_size, train_sampler)
+    eval_loader = nli_loader(eval_set, tokenizer, args.eval_batch_size, DistributedEvalSampler(eval_set))  # STEP
 
     model = model.to(device)
     model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)  # STEP: all-reduce gradients in backward

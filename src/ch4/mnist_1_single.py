@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import RandomSampler, SequentialSampler
 
-from common.cli import mnist_parser
-from common.compile import add_compile_flag, compiled
+from common.cli import add_compile_flag, mnist_parser
+from common.compile import compiled
 from common.distributed import device_for, print0
-from common.mnist import BasicNet, load_mnist, make_loader
+from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import autocast, grad_scaler, resolve_precision
 
 
@@ -67,8 +67,8 @@ def main():
     train_set, test_set = load_mnist(args.data_dir, args.loader)
     batch_size = args.batch_size
     train_sampler = RandomSampler(train_set)
-    train_loader = make_loader(train_set, batch_size, train_sampler, args.num_workers)
-    test_loader = make_loader(test_set, args.eval_batch_size, SequentialSampler(test_set), args.num_workers)
+    train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers)
+    test_loader = mnist_loader(test_set, args.eval_batch_size, SequentialSampler(test_set), args.num_workers)
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
     model = compiled(model, args.compile)  # --compile: torch.compile(model), else the model itself

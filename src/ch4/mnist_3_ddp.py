@@ -20,21 +20,21 @@ On a CPU torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores
 Lines marked `# STEP` are what this step changes in mnist_2_data_parallel.py.
 """
 import time
+from datetime import timedelta
 
 import torch
-import torch.distributed as dist  # STEP
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP  # STEP
-from torch.utils.data.distributed import DistributedSampler  # STEP
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
 
-from common.cli import mnist_parser
-from common.compile import add_compile_flag, compiled
-from common.cli import per_process_batch  # STEP
-from common.distributed import device_for, init_process_group, print0, processes, require_launcher  # STEP
-from common.gather import sum_across_ranks  # STEP
-from common.mnist import BasicNet, load_mnist, make_loader
-from common.precision import autocast, grad_scaler, resolve_precision  # STEP: one thread per process: no Autocast wrapper
-from common.samplers import DistributedEvalSampler  # STEP
+from common.cli import add_compile_flag, mnist_parser, per_process_batch
+from common.compile import compiled
+from common.distributed import backend_for, device_for, exit_if_peers_missing, print0, processes, require_launcher
+from common.gather import sum_across_ranks
+from common.mnist import BasicNet, load_mnist, mnist_loader
+from common.precision import autocast, grad_scaler, resolve_precision
+from common.samplers import DistributedEvalSampler
 
 
 def train_epoch(model, loader, optimizer, scaler, device, precision):
@@ -74,15 +74,21 @@ def main():
 
     launch = require_launcher("src/ch4/mnist_3_ddp.py")  # STEP: rank, local rank, world size from torchrun or srun
     device = device_for(launch)  # STEP: cuda:LOCAL_RANK, never the global rank; one GPU per process
-    init_process_group(launch, device, args.dist_timeout)  # STEP: nccl on GPUs, gloo on the CPU
+    timeout = timedelta(seconds=args.dist_timeout)  # STEP: how long a process waits for its peers
+    if device.type != "cpu":  # STEP
+        torch.get_device_module(device).set_device(device)  # STEP: device_id does not; object collectives use the current GPU
+    with exit_if_peers_missing(launch, args.dist_timeout):  # STEP: a peer that never arrives ends the run in one sentence
+        dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,  # STEP: nccl on GPUs, gloo on the CPU
+                                timeout=timeout, device_id=device if device.type != "cpu" else None)  # STEP: NCCL: this GPU, connected now
+        dist.barrier(async_op=True).wait(timeout=timeout)  # STEP: every peer has joined, or an error within the timeout
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed + launch.rank)  # STEP: own dropout masks per rank; DDP copies rank 0's weights to all
 
     train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)  # STEP: local rank 0 downloads
     batch_size = per_process_batch(args.batch_size, launch.world_size)  # STEP: each rank loads 1/N of the global batch
     train_sampler = DistributedSampler(train_set, seed=args.seed)  # STEP: a disjoint 1/N of the shuffled indices
-    train_loader = make_loader(train_set, batch_size, train_sampler, args.num_workers)
-    test_loader = make_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set), args.num_workers)  # STEP
+    train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers)
+    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set), args.num_workers)  # STEP
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
     model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)  # STEP: all-reduce gradients in backward

@@ -23,16 +23,15 @@ import time
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator  # STEP
-from torch.utils.data import RandomSampler, SequentialSampler  # STEP
+from accelerate import Accelerator
+from torch.utils.data import RandomSampler, SequentialSampler
 
-from common.cli import mnist_parser
-from common.compile import add_compile_flag, compiled
-from common.cli import per_process_batch
-from common.distributed import detect_launch, device_for, print0, processes  # STEP
+from common.cli import add_compile_flag, mnist_parser, per_process_batch
+from common.compile import compiled
+from common.distributed import detect_launch, device_for, print0, processes
 from common.gather import sum_across_ranks
-from common.mnist import BasicNet, load_mnist, make_loader
-from common.precision import accelerate_mixed_precision  # STEP
+from common.mnist import BasicNet, load_mnist, mnist_loader
+from common.precision import accelerate_mixed_precision
 
 
 def train_epoch(model, loader, optimizer, accelerator, device):  # STEP
@@ -68,8 +67,7 @@ def evaluate(model, loader, accelerator, device):  # STEP
 def main():
     args = add_compile_flag(mnist_parser(__doc__)).parse_args()
 
-    # STEP: cpu=True without GPUs, or N launched processes would each train alone instead of forming a gloo group
-    # STEP: device_for stops with one sentence if this node has more processes than GPUs
+    # STEP: cpu=True without GPUs (else N processes would each train alone); device_for stops if GPUs are too few
     accelerator = Accelerator(cpu=device_for(detect_launch()).type == "cpu", mixed_precision=accelerate_mixed_precision(args.precision))  # STEP
     device = accelerator.device  # STEP
     torch.manual_seed(args.seed + accelerator.process_index)  # STEP: own dropout masks; prepare() syncs the weights
@@ -77,8 +75,8 @@ def main():
     train_set, test_set = load_mnist(args.data_dir, args.loader, accelerator.local_process_index)  # STEP
     batch_size = per_process_batch(args.batch_size, accelerator.num_processes)  # STEP
     train_sampler = RandomSampler(train_set)  # STEP: prepare() deals the batches out to the ranks
-    train_loader = make_loader(train_set, batch_size, train_sampler, args.num_workers)
-    test_loader = make_loader(test_set, args.eval_batch_size, SequentialSampler(test_set), args.num_workers)  # STEP
+    train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers)
+    test_loader = mnist_loader(test_set, args.eval_batch_size, SequentialSampler(test_set), args.num_workers)  # STEP
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

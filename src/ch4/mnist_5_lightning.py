@@ -28,89 +28,89 @@ named "interactive" or "bash". The script ends with dist.destroy_process_group()
 Lightning destroys only NCCL groups at exit, and a gloo group left alive can abort the process as it
 exits. docs/lightning.md lists the other traps.
 
-Lines marked `# STEP` are what this step changes in mnist_3_ddp.py.
+It rewrites much of mnist_3_ddp.py, so its page shows it whole;
+`python tools/stepdiff.py src/ch4/mnist_3_ddp.py src/ch4/mnist_5_lightning.py` shows the change.
 """
 import time
-from datetime import timedelta  # STEP
+from datetime import timedelta
 
-import lightning as L  # STEP
+import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch.strategies import DDPStrategy  # STEP
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data.distributed import DistributedSampler
 
-from common.cli import mnist_parser
-from common.cli import per_process_batch
-from common.distributed import print0, processes  # STEP
+from common.cli import add_lightning_flags, mnist_parser, per_process_batch
+from common.distributed import print0, processes
 from common.gather import sum_across_ranks
-from common.lightning_launch import add_trainer_flags, check_launch, lightning_accelerator  # STEP
-from common.mnist import BasicNet, load_mnist, make_loader
-from common.precision import lightning_precision  # STEP
+from common.lightning_launch import check_launch, lightning_accelerator
+from common.mnist import BasicNet, load_mnist, mnist_loader
+from common.precision import lightning_precision
 from common.samplers import DistributedEvalSampler
 
 
-class LitBasicNet(L.LightningModule):  # STEP: the model and what one step does; the Trainer runs the loops
-    def __init__(self, lr):  # STEP
-        super().__init__()  # STEP
-        self.model = BasicNet().to(memory_format=torch.channels_last)  # STEP: the Trainer moves it to the device
-        self.lr = lr  # STEP
-        self.train_seconds, self.correct, self.seen = 0.0, 0, 0  # STEP
-        self.allow_zero_length_dataloader_with_multiple_devices = True  # STEP: a rank may have no test image
+class LitBasicNet(L.LightningModule):  # the model and what one step does; the Trainer runs the loops
+    def __init__(self, lr):
+        super().__init__()
+        self.model = BasicNet().to(memory_format=torch.channels_last)  # the Trainer moves it to the device
+        self.lr = lr
+        self.train_seconds, self.correct, self.seen = 0.0, 0, 0
+        self.allow_zero_length_dataloader_with_multiple_devices = True  # a rank may have no test image
 
-    def configure_optimizers(self):  # STEP
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)  # STEP
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
-    def on_train_epoch_start(self):  # STEP
-        self.loss_sum, self.start = torch.zeros((), device=self.device), time.perf_counter()  # STEP
+    def on_train_epoch_start(self):
+        self.loss_sum, self.start = torch.zeros((), device=self.device), time.perf_counter()
 
-    def training_step(self, batch, batch_index):  # STEP: the Trainer calls backward and step, under autocast
-        images, labels = batch  # STEP: already on the device
-        loss = F.nll_loss(self.model(images.contiguous(memory_format=torch.channels_last)), labels)  # STEP
-        self.loss_sum += loss.detach()  # STEP
-        return loss  # STEP
+    def training_step(self, batch, batch_index):  # the Trainer calls backward and step, under autocast
+        images, labels = batch  # already on the device
+        loss = F.nll_loss(self.model(images.contiguous(memory_format=torch.channels_last)), labels)
+        self.loss_sum += loss.detach()
+        return loss
 
-    def on_train_epoch_end(self):  # STEP
-        loss = self.loss_sum.item() / self.trainer.num_training_batches  # STEP: waits for the device's queued steps
-        self.train_seconds += time.perf_counter() - self.start  # STEP: so the clock stops after them
-        loss = sum_across_ranks(loss, device=self.device)[0] / self.trainer.world_size  # STEP: the mean over ranks
-        print0(f"epoch {self.current_epoch}: mean training loss {loss:.4f}")  # STEP
+    def on_train_epoch_end(self):
+        loss = self.loss_sum.item() / self.trainer.num_training_batches  # waits for the device's queued steps
+        self.train_seconds += time.perf_counter() - self.start  # so the clock stops after them
+        loss = sum_across_ranks(loss, device=self.device)[0] / self.trainer.world_size  # the mean over ranks
+        print0(f"epoch {self.current_epoch}: mean training loss {loss:.4f}")
 
-    def test_step(self, batch, batch_index):  # STEP: the Trainer sets eval mode and no_grad
-        images, labels = batch  # STEP
-        predictions = self.model(images.contiguous(memory_format=torch.channels_last)).argmax(dim=1)  # STEP
-        self.correct += (predictions == labels).sum().item()  # STEP: counts, not a per-rank mean
-        self.seen += labels.numel()  # STEP
+    def test_step(self, batch, batch_index):  # the Trainer sets eval mode and no_grad
+        images, labels = batch
+        predictions = self.model(images.contiguous(memory_format=torch.channels_last)).argmax(dim=1)
+        self.correct += (predictions == labels).sum().item()  # counts, not a per-rank mean
+        self.seen += labels.numel()
 
 
 def main():
-    args = add_trainer_flags(mnist_parser(__doc__)).parse_args()  # STEP: --devices, --num-nodes
+    args = add_lightning_flags(mnist_parser(__doc__)).parse_args()  # --devices, --num-nodes
 
-    check_launch(args.devices, args.num_nodes)  # STEP: one sentence where Lightning would raise or misread
-    precision = lightning_precision(args.precision)  # STEP: "32-true", "bf16-mixed" or "16-mixed"
-    trainer = L.Trainer(accelerator=lightning_accelerator(), devices=args.devices, num_nodes=args.num_nodes, precision=precision,  # STEP
-                        strategy=DDPStrategy(timeout=timedelta(seconds=args.dist_timeout)),  # STEP: gloo or nccl
-                        use_distributed_sampler=False,  # STEP: keep our samplers: the default pads the test set
-                        max_epochs=args.epochs, logger=False, enable_checkpointing=False,  # STEP: writes no files
-                        enable_progress_bar=False, enable_model_summary=False)  # STEP
-    torch.manual_seed(args.seed + trainer.global_rank)  # STEP: own dropout masks; the DDP wrap copies rank 0's weights
+    check_launch(args.devices, args.num_nodes)  # one sentence where Lightning would raise or misread
+    precision = lightning_precision(args.precision)  # "32-true", "bf16-mixed" or "16-mixed"
+    trainer = L.Trainer(accelerator=lightning_accelerator(), devices=args.devices, num_nodes=args.num_nodes, precision=precision,
+                        strategy=DDPStrategy(timeout=timedelta(seconds=args.dist_timeout)),  # gloo or nccl
+                        use_distributed_sampler=False,  # keep our samplers: the default pads the test set
+                        max_epochs=args.epochs, logger=False, enable_checkpointing=False,  # writes no files
+                        enable_progress_bar=False, enable_model_summary=False)
+    torch.manual_seed(args.seed + trainer.global_rank)  # own dropout masks; the DDP wrap copies rank 0's weights
 
-    train_set, test_set = load_mnist(args.data_dir, args.loader, trainer.local_rank)  # STEP
-    batch_size = per_process_batch(args.batch_size, trainer.world_size)  # STEP
-    train_sampler = DistributedSampler(train_set, trainer.world_size, trainer.global_rank, seed=args.seed)  # STEP
-    train_loader = make_loader(train_set, batch_size, train_sampler, args.num_workers)
-    test_sampler = DistributedEvalSampler(test_set, trainer.world_size, trainer.global_rank)  # STEP
-    test_loader = make_loader(test_set, args.eval_batch_size, test_sampler, args.num_workers)  # STEP
+    train_set, test_set = load_mnist(args.data_dir, args.loader, trainer.local_rank)
+    batch_size = per_process_batch(args.batch_size, trainer.world_size)
+    train_sampler = DistributedSampler(train_set, trainer.world_size, trainer.global_rank, seed=args.seed)
+    train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers)
+    test_sampler = DistributedEvalSampler(test_set, trainer.world_size, trainer.global_rank)
+    test_loader = mnist_loader(test_set, args.eval_batch_size, test_sampler, args.num_workers)
 
-    model = LitBasicNet(args.lr)  # STEP
+    model = LitBasicNet(args.lr)
 
-    if trainer.is_global_zero:  # STEP: print0 needs the process group, which fit() creates
-        print(f"{processes(trainer.world_size)} on {trainer.strategy.root_device.type}, {precision}, global batch {args.batch_size} = {trainer.world_size} x {batch_size}")  # STEP
-    trainer.fit(model, train_loader)  # STEP: every epoch: set_epoch, the loop, DDP's all-reduce in backward
-    train_seconds = model.train_seconds  # STEP
+    if trainer.is_global_zero:  # print0 needs the process group, which fit() creates
+        print(f"{processes(trainer.world_size)} on {trainer.strategy.root_device.type}, {precision}, global batch {args.batch_size} = {trainer.world_size} x {batch_size}")
+    trainer.fit(model, train_loader)  # every epoch: set_epoch, the loop, DDP's all-reduce in backward
+    train_seconds = model.train_seconds
 
-    trainer.test(model, test_loader, verbose=False)  # STEP: every rank scores its own share, no DDP wrap
-    correct, seen = sum_across_ranks(model.correct, model.seen, device=trainer.strategy.root_device)  # STEP: every image once; test() left the model on the CPU
+    trainer.test(model, test_loader, verbose=False)  # every rank scores its own share, no DDP wrap
+    correct, seen = sum_across_ranks(model.correct, model.seen, device=trainer.strategy.root_device)  # every image once; test() left the model on the CPU
     print0(f"train time {train_seconds:.1f} s, {args.epochs * len(train_set) / train_seconds:.0f} samples/s")
     print0(f"test accuracy {correct / seen:.2%} over {seen} images")
     dist.destroy_process_group()

@@ -11,24 +11,32 @@ Run from the repository root (the defaults download bert-base-cased and MultiNLI
 
 Lines marked `# STEP` are what this step changes in nli_dp_minimal.py.
 """
-import torch
-import torch.distributed as dist  # STEP
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP  # STEP
-from torch.utils.data import DataLoader  # STEP
-from torch.utils.data.distributed import DistributedSampler  # STEP
+from datetime import timedelta
 
-from common.cli import per_process_batch  # STEP
-from common.distributed import device_for, init_process_group, print0, processes, require_launcher  # STEP
-from common.gather import sum_across_ranks  # STEP
-from common.nli import PairCollator, load_model_and_tokenizer, load_pairs, nli_parser, to_device
-from common.samplers import DistributedEvalSampler  # STEP
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from common.cli import nli_parser, per_process_batch
+from common.distributed import backend_for, device_for, exit_if_peers_missing, print0, processes, require_launcher
+from common.gather import sum_across_ranks
+from common.nli import PairCollator, load_model_and_tokenizer, load_pairs, to_device
+from common.samplers import DistributedEvalSampler
 
 
 def main(args):
     launch = require_launcher("src/ch4/nli_ddp_minimal.py")  # STEP: rank, local rank, world size from torchrun or srun
     device = device_for(launch)  # STEP: cuda:LOCAL_RANK, never the global rank; one GPU per process
-    init_process_group(launch, device, args.dist_timeout)  # STEP: nccl on GPUs, gloo on the CPU
+    timeout = timedelta(seconds=args.dist_timeout)  # STEP: how long a process waits for its peers
+    if device.type != "cpu":  # STEP
+        torch.get_device_module(device).set_device(device)  # STEP: device_id does not; object collectives use the current GPU
+    with exit_if_peers_missing(launch, args.dist_timeout):  # STEP: a peer that never arrives ends the run in one sentence
+        dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,  # STEP: nccl on GPUs, gloo on the CPU
+                                timeout=timeout, device_id=device if device.type != "cpu" else None)  # STEP: NCCL: this GPU, connected now
+        dist.barrier(async_op=True).wait(timeout=timeout)  # STEP: every peer has joined, or an error within the timeout
     torch.manual_seed(args.seed + launch.rank)  # STEP: own dropout masks per rank; DDP copies rank 0's weights to all
 
     model, tokenizer = load_model_and_tokenizer(args.model)

@@ -15,8 +15,9 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
+from common.cli import nli_parser
 from common.distributed import device_for, print0
-from common.nli import PairCollator, load_model_and_tokenizer, load_pairs, nli_parser, to_device
+from common.nli import PairCollator, load_model_and_tokenizer, load_pairs, to_device
 
 
 def main(args):

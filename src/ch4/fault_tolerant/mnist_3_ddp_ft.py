@@ -26,50 +26,48 @@ group's command again: it rejoins and heals. On several machines: the lighthouse
 TORCHFT_LIGHTHOUSE=http://THAT_HOST:29510 everywhere, any groups on each. Under SLURM, a lighthouse step and
 one task per group: sbatch -N3 slurm/fault_tolerant.sbatch src/ch4/fault_tolerant/mnist_3_ddp_ft.py --batch-size 96
 
-Lines marked `# STEP` are what this step changes in mnist_3_ddp.py.
+It rewrites much of mnist_3_ddp.py, so its page shows it whole;
+`python tools/stepdiff.py src/ch4/mnist_3_ddp.py src/ch4/fault_tolerant/mnist_3_ddp_ft.py` shows the change.
 """
 import time
 
 import torch
 import torch.nn.functional as F
 
-from common.cli import mnist_parser
-from common.compile import add_compile_flag, compile_in_place  # STEP
-from common.cli import per_process_batch
-from common.distributed import device_for, require_launcher  # STEP
-from common.fault_tolerance import StepBatches, StepLog, add_fault_tolerance_flags, average_gradients, check_group  # STEP
-from common.fault_tolerance import quorum_errors, timeouts  # STEP
-from common.fault_tolerance import require_torchft  # STEP
-from common.mnist import BasicNet, load_mnist, make_loader
+from common.cli import add_compile_flag, add_fault_tolerance_flags, mnist_parser, per_process_batch
+from common.compile import compile_in_place
+from common.distributed import device_for, require_launcher
+from common.fault_tolerance import StepBatches, StepLog, average_gradients, check_group, quorum_errors, require_torchft, timeouts
+from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import autocast, grad_scaler, resolve_precision
-from common.samplers import ResumableDistributedSampler  # STEP
+from common.samplers import ResumableDistributedSampler
 
-torchft = require_torchft()  # STEP: one sentence saying what to install, where it is missing
+torchft = require_torchft()  # one sentence saying what to install, where it is missing
 
 
-def train_steps(model, batches, optimizer, scaler, manager, device, precision, max_steps, log, healed):  # STEP
-    """Steps until the quorum's step reaches max_steps; returns the mean training loss of the steps taken."""  # STEP
+def train_steps(model, batches, optimizer, scaler, manager, device, precision, max_steps, log, healed):
+    """Steps until the quorum's step reaches max_steps; returns the mean training loss of the steps taken."""
     model.train()
     loss_sum = torch.zeros((), device=device)
-    while manager.current_step() < max_steps:  # STEP: the quorum's step: a heal moves it forward
-        step = manager.current_step()  # STEP
-        images, labels = batches(step)  # STEP: batch `step` of this group's shard
+    while manager.current_step() < max_steps:  # the quorum's step: a heal moves it forward
+        step = manager.current_step()
+        images, labels = batches(step)  # batch `step` of this group's shard
         images = images.to(device, memory_format=torch.channels_last, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         with autocast(device, precision):
             loss = F.nll_loss(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
-        average_gradients(model, manager)  # STEP: over the quorum's groups (a healing group adds zeros)
+        average_gradients(model, manager)  # over the quorum's groups (a healing group adds zeros)
         scaler.step(optimizer)
         scaler.update()
         loss_sum += loss.detach()
-        participants, heal = manager.num_participants(), bool(healed)  # STEP
-        if log.step(manager.current_step(), participants, manager.current_step() != step, heal):  # STEP: a new quorum, or a heal
-            print(f"group {log.group}: step {manager.current_step()}, {participants} of {log.groups} groups in the quorum"  # STEP
-                  + (", healed from a live peer" if heal else ""), flush=True)  # STEP
-        healed.clear()  # STEP
-    return loss_sum.item() / max(log.steps_run, 1)  # STEP
+        participants, heal = manager.num_participants(), bool(healed)
+        if log.step(manager.current_step(), participants, manager.current_step() != step, heal):  # a new quorum, or a heal
+            print(f"group {log.group}: step {manager.current_step()}, {participants} of {log.groups} groups in the quorum"
+                  + (", healed from a live peer" if heal else ""), flush=True)
+        healed.clear()
+    return loss_sum.item() / max(log.steps_run, 1)
 
 
 @torch.no_grad()
@@ -88,61 +86,61 @@ def evaluate(model, loader, device, precision):
 
 
 def main():
-    args = add_fault_tolerance_flags(add_compile_flag(mnist_parser(__doc__))).parse_args()  # STEP
+    args = add_fault_tolerance_flags(add_compile_flag(mnist_parser(__doc__))).parse_args()
 
-    launch = require_launcher("src/ch4/fault_tolerant/mnist_3_ddp_ft.py")  # STEP
-    check_group(args, launch, "src/ch4/fault_tolerant/mnist_3_ddp_ft.py")  # STEP: one process a group, a lighthouse
+    launch = require_launcher("src/ch4/fault_tolerant/mnist_3_ddp_ft.py")
+    check_group(args, launch, "src/ch4/fault_tolerant/mnist_3_ddp_ft.py")  # one process a group, a lighthouse
     device = device_for(launch)
     precision = resolve_precision(args.precision, device)
-    torch.manual_seed(args.seed)  # STEP: the same initial weights in every group: nothing to copy at step 0
+    torch.manual_seed(args.seed)  # the same initial weights in every group: nothing to copy at step 0
 
     train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
-    batch_size = per_process_batch(args.batch_size, args.groups)  # STEP: each group loads 1/G of the global batch
-    train_sampler = ResumableDistributedSampler(train_set, batch_size, num_replicas=args.groups, rank=args.group,  # STEP
-                                                seed=args.seed)  # STEP: this group's 1/G of the shuffle, from any batch on
-    train_loader = make_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP
-    test_loader = make_loader(test_set, args.eval_batch_size, None, args.num_workers)  # STEP: each group scores all
+    batch_size = per_process_batch(args.batch_size, args.groups)  # each group loads 1/G of the global batch
+    train_sampler = ResumableDistributedSampler(train_set, batch_size, num_replicas=args.groups, rank=args.group,
+                                                seed=args.seed)  # this group's 1/G of the shuffle, from any batch on
+    train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())
+    test_loader = mnist_loader(test_set, args.eval_batch_size, None, args.num_workers)  # each group scores all
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
-    torch.manual_seed(args.seed + 1 + args.group)  # STEP: own dropout masks per group
-    manager = torchft.Manager(  # STEP: this group's seat in the quorum
-        pg=(torchft.ProcessGroupGloo if device.type == "cpu" else torchft.ProcessGroupNCCL)(timeouts(args)["timeout"]),  # STEP: across groups
-        load_state_dict=None, state_dict=None,  # STEP: registered below, once the optimizer is wrapped
-        min_replica_size=1, replica_id=f"mnist_ft_{args.group}", lighthouse_addr=args.lighthouse,  # STEP: the lighthouse sets the minimum
-        init_sync=False, **timeouts(args))  # STEP: init_sync=False: the seed made the weights equal
-    compile_in_place(model, args.compile)  # STEP: in place: the state a peer sends keeps the model's own keys
-    optimizer = torchft.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))  # STEP: zero_grad asks for the quorum, step commits or skips
+    torch.manual_seed(args.seed + 1 + args.group)  # own dropout masks per group
+    manager = torchft.Manager(  # this group's seat in the quorum
+        pg=(torchft.ProcessGroupGloo if device.type == "cpu" else torchft.ProcessGroupNCCL)(timeouts(args)["timeout"]),  # across groups
+        load_state_dict=None, state_dict=None,  # registered below, once the optimizer is wrapped
+        min_replica_size=1, replica_id=f"mnist_ft_{args.group}", lighthouse_addr=args.lighthouse,  # the lighthouse sets the minimum
+        init_sync=False, **timeouts(args))  # init_sync=False: the seed made the weights equal
+    compile_in_place(model, args.compile)  # in place: the state a peer sends keeps the model's own keys
+    optimizer = torchft.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))  # zero_grad asks for the quorum, step commits or skips
     scaler = grad_scaler(device, precision)
-    healed = []  # STEP
+    healed = []
 
-    def load_state(state):  # STEP: torchft calls it on a group that heals, with a live peer's state
-        model.load_state_dict(state["model"])  # STEP
-        optimizer.load_state_dict(state["optimizer"])  # STEP
-        scaler.load_state_dict(state["scaler"])  # STEP
-        healed.append(True)  # STEP
+    def load_state(state):  # torchft calls it on a group that heals, with a live peer's state
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        healed.append(True)
 
-    manager.register_state_dict_fn("training", load_state, lambda: {  # STEP: what a live peer sends
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()})  # STEP
-    max_steps = args.max_steps or args.epochs * len(train_loader)  # STEP
-    log = StepLog(args.step_log, args.group, args.groups)  # STEP
+    manager.register_state_dict_fn("training", load_state, lambda: {  # what a live peer sends
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()})
+    max_steps = args.max_steps or args.epochs * len(train_loader)
+    log = StepLog(args.step_log, args.group, args.groups)
 
-    print(f"group {args.group} of {args.groups} on {device.type}, {precision}, global batch {args.batch_size} = "  # STEP
-          f"{args.groups} x {batch_size}, {max_steps} steps", flush=True)  # STEP
-    start = time.perf_counter()  # STEP
-    loss = train_steps(model, StepBatches(train_loader), optimizer, scaler, manager, device, precision, max_steps, log,  # STEP
-                       healed)  # STEP
-    train_seconds = time.perf_counter() - start  # STEP
-    print(f"group {args.group}: mean training loss {loss:.4f} over the {log.steps_run} steps it took, "  # STEP
-          f"{log.heals} heal(s)", flush=True)  # STEP
+    print(f"group {args.group} of {args.groups} on {device.type}, {precision}, global batch {args.batch_size} = "
+          f"{args.groups} x {batch_size}, {max_steps} steps", flush=True)
+    start = time.perf_counter()
+    loss = train_steps(model, StepBatches(train_loader), optimizer, scaler, manager, device, precision, max_steps, log,
+                       healed)
+    train_seconds = time.perf_counter() - start
+    print(f"group {args.group}: mean training loss {loss:.4f} over the {log.steps_run} steps it took, "
+          f"{log.heals} heal(s)", flush=True)
 
-    correct, seen = evaluate(model, test_loader, device, precision)  # STEP: the model itself: no wrapper
-    print(f"group {args.group}: train time {train_seconds:.1f} s, test accuracy {correct / seen:.2%} over {seen} images")  # STEP
-    if args.save:  # STEP
-        torch.save(model.state_dict(), args.save)  # STEP
-    log.summary(args.summary, manager.current_step(), correct / seen)  # STEP
-    manager.shutdown()  # STEP
+    correct, seen = evaluate(model, test_loader, device, precision)  # the model itself: no wrapper
+    print(f"group {args.group}: train time {train_seconds:.1f} s, test accuracy {correct / seen:.2%} over {seen} images")
+    if args.save:
+        torch.save(model.state_dict(), args.save)
+    log.summary(args.summary, manager.current_step(), correct / seen)
+    manager.shutdown()
 
 
 if __name__ == "__main__":
-    with quorum_errors():  # STEP: no lighthouse, or no quorum in time: one sentence
-        main()  # STEP
+    with quorum_errors():  # no lighthouse, or no quorum in time: one sentence
+        main()

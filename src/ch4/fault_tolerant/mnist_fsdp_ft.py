@@ -17,56 +17,64 @@ Run from the repository root, on one machine, 2 groups of 2 processes (docs/faul
     for g in 0 1; do torchrun --standalone --nproc_per_node=2 \\
         src/ch4/fault_tolerant/mnist_fsdp_ft.py --group $g --batch-size 64 & done
 
-Lines marked `# STEP` are what this step changes in sharded/mnist_fsdp.py.
+It rewrites much of sharded/mnist_fsdp.py, so its page shows it whole;
+`python tools/stepdiff.py src/ch4/sharded/mnist_fsdp.py src/ch4/fault_tolerant/mnist_fsdp_ft.py` shows the change.
 """
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data.distributed import DistributedSampler
 
-from common.cli import mnist_parser
-from common.compile import add_compile_flag, compile_in_place
-from common.cli import per_process_batch
-from common.distributed import device_for, init_process_group, print0, processes, require_launcher
-from common.distributed import exit_process
-from common.fault_tolerance import StepBatches, StepLog, add_fault_tolerance_flags, average_gradients, check_group  # STEP
-from common.fault_tolerance import local_shards, quorum_errors, require_torchft, sharded_like, sharded_optimizer_state  # STEP
-from common.fault_tolerance import timeouts  # STEP
-from common.fsdp import fully_shard
+from common.cli import add_compile_flag, add_fault_tolerance_flags, mnist_parser, per_process_batch
+from common.compile import compile_in_place
+from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
+from common.fault_tolerance import (
+    StepBatches,
+    StepLog,
+    average_gradients,
+    check_group,
+    local_shards,
+    quorum_errors,
+    require_torchft,
+    sharded_like,
+    sharded_optimizer_state,
+    timeouts,
+)
 from common.gather import sum_across_ranks
-from common.mnist import BasicNet, load_mnist, make_loader
+from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import autocast, grad_scaler, resolve_precision
-from common.samplers import DistributedEvalSampler
-from common.samplers import ResumableDistributedSampler  # STEP
+from common.samplers import DistributedEvalSampler, ResumableDistributedSampler
 
-torchft = require_torchft()  # STEP
+torchft = require_torchft()
 
 
-def train_steps(model, batches, optimizer, scaler, manager, device, precision, max_steps, log, healed):  # STEP
-    """Steps until the quorum's step reaches max_steps; returns the mean training loss of the steps taken."""  # STEP
+def train_steps(model, batches, optimizer, scaler, manager, device, precision, max_steps, log, healed):
+    """Steps until the quorum's step reaches max_steps; returns the mean training loss of the steps taken."""
     model.train()
     loss_sum = torch.zeros((), device=device)
-    while manager.current_step() < max_steps:  # STEP
-        step = manager.current_step()  # STEP
-        images, labels = batches(step)  # STEP
+    while manager.current_step() < max_steps:
+        step = manager.current_step()
+        images, labels = batches(step)
         images = images.to(device, memory_format=torch.channels_last, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         with autocast(device, precision):
             loss = F.nll_loss(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
-        average_gradients(model, manager)  # STEP: this rank's pieces, with the same pieces of the other groups
+        average_gradients(model, manager)  # this rank's pieces, with the same pieces of the other groups
         scaler.step(optimizer)
         scaler.update()
         loss_sum += loss.detach()
-        participants, heal = manager.num_participants(), bool(healed)  # STEP
-        if log.step(manager.current_step(), participants, manager.current_step() != step, heal):  # STEP
-            print0(f"group {log.group}: step {manager.current_step()}, {participants} of {log.groups} groups in the quorum"  # STEP
-                   + (", healed from a live peer" if heal else ""))  # STEP
-        healed.clear()  # STEP
-    return loss_sum.item() / max(log.steps_run, 1)  # STEP
+        participants, heal = manager.num_participants(), bool(healed)
+        if log.step(manager.current_step(), participants, manager.current_step() != step, heal):
+            print0(f"group {log.group}: step {manager.current_step()}, {participants} of {log.groups} groups in the quorum"
+                   + (", healed from a live peer" if heal else ""))
+        healed.clear()
+    return loss_sum.item() / max(log.steps_run, 1)
 
 
 @torch.no_grad()
@@ -86,21 +94,27 @@ def evaluate(model, loader, device, precision, unpadded):
 
 
 def main():
-    args = add_fault_tolerance_flags(add_compile_flag(mnist_parser(__doc__))).parse_args()  # STEP
+    args = add_fault_tolerance_flags(add_compile_flag(mnist_parser(__doc__))).parse_args()
 
-    launch = require_launcher("src/ch4/fault_tolerant/mnist_fsdp_ft.py")  # STEP
-    check_group(args, launch, "src/ch4/fault_tolerant/mnist_fsdp_ft.py", one_process=False)  # STEP
+    launch = require_launcher("src/ch4/fault_tolerant/mnist_fsdp_ft.py")
+    check_group(args, launch, "src/ch4/fault_tolerant/mnist_fsdp_ft.py", one_process=False)
     device = device_for(launch)
-    init_process_group(launch, device, args.dist_timeout)
+    timeout = timedelta(seconds=args.dist_timeout)
+    if device.type != "cpu":
+        torch.get_device_module(device).set_device(device)
+    with exit_if_peers_missing(launch, args.dist_timeout):
+        dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, device_id=device if device.type != "cpu" else None)
+        dist.barrier(async_op=True).wait(timeout=timeout)
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed + launch.rank)
 
     train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
-    batch_size = per_process_batch(args.batch_size, args.groups * launch.world_size)  # STEP: G groups of N
-    train_sampler = ResumableDistributedSampler(train_set, batch_size, num_replicas=args.groups * launch.world_size,  # STEP
-                                                rank=args.group * launch.world_size + launch.rank, seed=args.seed)  # STEP
-    train_loader = make_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP
-    test_loader = make_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)
+    batch_size = per_process_batch(args.batch_size, args.groups * launch.world_size)  # G groups of N
+    train_sampler = ResumableDistributedSampler(train_set, batch_size, num_replicas=args.groups * launch.world_size,
+                                                rank=args.group * launch.world_size + launch.rank, seed=args.seed)
+    train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())
+    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)
     unpadded = len(DistributedEvalSampler(test_set))
 
     model = BasicNet().to(device)
@@ -110,46 +124,46 @@ def main():
         fully_shard(layer)
         compile_in_place(layer, args.compile)
     fully_shard(model)
-    manager = torchft.Manager(  # STEP: one per rank; rank 0's speaks to the lighthouse for the group
-        pg=(torchft.ProcessGroupGloo if device.type == "cpu" else torchft.ProcessGroupNCCL)(timeouts(args)["timeout"]),  # STEP: rank r of each group
-        load_state_dict=None, state_dict=None, min_replica_size=1, replica_id=f"mnist_fsdp_ft_{args.group}",  # STEP
-        lighthouse_addr=args.lighthouse, init_sync=False, **timeouts(args))  # STEP
-    optimizer = torchft.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))  # STEP
+    manager = torchft.Manager(  # one per rank; rank 0's speaks to the lighthouse for the group
+        pg=(torchft.ProcessGroupGloo if device.type == "cpu" else torchft.ProcessGroupNCCL)(timeouts(args)["timeout"]),  # rank r of each group
+        load_state_dict=None, state_dict=None, min_replica_size=1, replica_id=f"mnist_fsdp_ft_{args.group}",
+        lighthouse_addr=args.lighthouse, init_sync=False, **timeouts(args))
+    optimizer = torchft.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))
     scaler = grad_scaler(device, precision)
-    healed = []  # STEP
+    healed = []
 
-    def load_state(state):  # STEP: this rank's pieces from the same rank of a live group, made DTensors here
-        model.load_state_dict(sharded_like(state["model"], model.state_dict()))  # STEP
-        optimizer.load_state_dict(sharded_optimizer_state(state["optimizer"], list(model.parameters())))  # STEP
-        scaler.load_state_dict(state["scaler"])  # STEP
-        healed.append(True)  # STEP
+    def load_state(state):  # this rank's pieces from the same rank of a live group, made DTensors here
+        model.load_state_dict(sharded_like(state["model"], model.state_dict()))
+        optimizer.load_state_dict(sharded_optimizer_state(state["optimizer"], list(model.parameters())))
+        scaler.load_state_dict(state["scaler"])
+        healed.append(True)
 
-    manager.register_state_dict_fn("training", load_state, lambda: local_shards({  # STEP: plain tensors travel
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}))  # STEP
-    max_steps = args.max_steps or args.epochs * len(train_loader)  # STEP
-    log = StepLog(args.step_log if launch.rank == 0 else None, args.group, args.groups)  # STEP
+    manager.register_state_dict_fn("training", load_state, lambda: local_shards({  # plain tensors travel
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}))
+    max_steps = args.max_steps or args.epochs * len(train_loader)
+    log = StepLog(args.step_log if launch.rank == 0 else None, args.group, args.groups)
 
-    print0(f"group {args.group} of {args.groups}: {processes(launch.world_size)} on {device.type}, {precision}, global batch "  # STEP
-           f"{args.batch_size} = {args.groups} x {launch.world_size} x {batch_size}, {max_steps} steps")  # STEP
-    start = time.perf_counter()  # STEP
-    loss = train_steps(model, StepBatches(train_loader), optimizer, scaler, manager, device, precision, max_steps, log,  # STEP
-                       healed)  # STEP
-    train_seconds = time.perf_counter() - start  # STEP
-    print0(f"group {args.group}: mean training loss {loss:.4f} over the {log.steps_run} steps it took, "  # STEP
-           f"{log.heals} heal(s)")  # STEP
+    print0(f"group {args.group} of {args.groups}: {processes(launch.world_size)} on {device.type}, {precision}, global batch "
+           f"{args.batch_size} = {args.groups} x {launch.world_size} x {batch_size}, {max_steps} steps")
+    start = time.perf_counter()
+    loss = train_steps(model, StepBatches(train_loader), optimizer, scaler, manager, device, precision, max_steps, log,
+                       healed)
+    train_seconds = time.perf_counter() - start
+    print0(f"group {args.group}: mean training loss {loss:.4f} over the {log.steps_run} steps it took, "
+           f"{log.heals} heal(s)")
 
     correct, seen = evaluate(model, test_loader, device, precision, unpadded)
     correct, seen = sum_across_ranks(correct, seen, device=device)
-    print0(f"group {args.group}: train time {train_seconds:.1f} s, test accuracy {correct / seen:.2%} over {seen} images")  # STEP
-    weights = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}  # STEP: gathered on every rank
-    if args.save and launch.rank == 0:  # STEP
-        torch.save(weights, args.save)  # STEP
-    log.summary(args.summary if launch.rank == 0 else None, manager.current_step(), correct / seen)  # STEP
-    manager.shutdown()  # STEP
+    print0(f"group {args.group}: train time {train_seconds:.1f} s, test accuracy {correct / seen:.2%} over {seen} images")
+    weights = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}  # gathered on every rank
+    if args.save and launch.rank == 0:
+        torch.save(weights, args.save)
+    log.summary(args.summary if launch.rank == 0 else None, manager.current_step(), correct / seen)
+    manager.shutdown()
     dist.destroy_process_group()
     exit_process()
 
 
 if __name__ == "__main__":
-    with quorum_errors():  # STEP
-        main()  # STEP
+    with quorum_errors():
+        main()

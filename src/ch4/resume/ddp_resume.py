@@ -18,6 +18,7 @@ Run from the repository root; a rerun of the same command resumes from the newes
 Lines marked `# STEP` are what this step changes in ddp.py.
 """
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,17 +27,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from common.checkpoint import Checkpoints, Position  # STEP
-from common.cli import add_checkpoint_flags  # STEP
-from common.cli import per_process_batch
-from common.resume_buckets import rebuild_buckets  # STEP
-from common.distributed import device_for, init_process_group, print0, processes, require_launcher
+from common.checkpoint import Checkpoints, Position
+from common.cli import add_checkpoint_flags, nli_parser, per_process_batch
+from common.distributed import backend_for, device_for, exit_if_peers_missing, print0, processes, require_launcher
 from common.gather import sum_across_ranks
-from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
+from common.nli import load_model_and_tokenizer, load_pairs, nli_loader, to_device, tokenize_pairs
 from common.precision import autocast, grad_scaler, optimizer_step, resolve_precision
-from common.samplers import DistributedEvalSampler
-from common.samplers import ResumableDistributedSampler  # STEP
-from common.stop_signal import StopSignal  # STEP
+from common.resume_buckets import rebuild_buckets
+from common.samplers import DistributedEvalSampler, ResumableDistributedSampler
+from common.stop_signal import StopSignal
 
 
 def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, max_grad_norm, steps_left, progress,  # STEP
@@ -93,7 +92,13 @@ def evaluate(model, loader, device, precision):
 def main(args):
     launch = require_launcher("src/ch4/resume/ddp_resume.py")  # STEP
     device = device_for(launch)
-    init_process_group(launch, device, args.dist_timeout)
+    timeout = timedelta(seconds=args.dist_timeout)
+    if device.type != "cpu":
+        torch.get_device_module(device).set_device(device)
+    with exit_if_peers_missing(launch, args.dist_timeout):
+        dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, device_id=device if device.type != "cpu" else None)
+        dist.barrier(async_op=True).wait(timeout=timeout)
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed + launch.rank)
 
@@ -102,8 +107,8 @@ def main(args):
     train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length) for pairs in (train_pairs, eval_pairs))
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)  # STEP: can start mid-epoch
-    train_loader = make_loader(train_set, tokenizer, batch_size, train_sampler, torch.Generator())  # STEP: not the global RNG
-    eval_loader = make_loader(eval_set, tokenizer, args.eval_batch_size, DistributedEvalSampler(eval_set))
+    train_loader = nli_loader(train_set, tokenizer, batch_size, train_sampler, torch.Generator())  # STEP: not the global RNG
+    eval_loader = nli_loader(eval_set, tokenizer, args.eval_batch_size, DistributedEvalSampler(eval_set))
 
     model = model.to(device)
     model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)

@@ -30,24 +30,22 @@ src/ch4/resume/mnist_3_ddp_resume.py --checkpoint-dir checkpoints/mnist (see slu
 Lines marked `# STEP` are what this step changes in mnist_3_ddp.py.
 """
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import Checkpoints, Position  # STEP
-from common.cli import mnist_parser
-from common.cli import add_checkpoint_flags  # STEP
-from common.cli import per_process_batch
-from common.resume_buckets import rebuild_buckets  # STEP
-from common.distributed import device_for, init_process_group, print0, processes, require_launcher
+from common.checkpoint import Checkpoints, Position
+from common.cli import add_checkpoint_flags, mnist_parser, per_process_batch
+from common.distributed import backend_for, device_for, exit_if_peers_missing, print0, processes, require_launcher
 from common.gather import sum_across_ranks
-from common.mnist import BasicNet, load_mnist, make_loader
+from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import autocast, grad_scaler, resolve_precision
-from common.samplers import DistributedEvalSampler
-from common.samplers import ResumableDistributedSampler  # STEP
-from common.stop_signal import StopSignal  # STEP
+from common.resume_buckets import rebuild_buckets
+from common.samplers import DistributedEvalSampler, ResumableDistributedSampler
+from common.stop_signal import StopSignal
 
 
 def train_epoch(model, loader, optimizer, scaler, device, precision, position, checkpoints, stop):  # STEP
@@ -97,15 +95,21 @@ def main():
 
     launch = require_launcher("src/ch4/resume/mnist_3_ddp_resume.py")  # STEP
     device = device_for(launch)
-    init_process_group(launch, device, args.dist_timeout)
+    timeout = timedelta(seconds=args.dist_timeout)
+    if device.type != "cpu":
+        torch.get_device_module(device).set_device(device)
+    with exit_if_peers_missing(launch, args.dist_timeout):
+        dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, device_id=device if device.type != "cpu" else None)
+        dist.barrier(async_op=True).wait(timeout=timeout)
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed + launch.rank)
 
     train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)  # STEP: can start mid-epoch
-    train_loader = make_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP: not the global RNG
-    test_loader = make_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set), args.num_workers)
+    train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP: not the global RNG
+    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set), args.num_workers)
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
     model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)

@@ -26,28 +26,24 @@ On a CPU torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores
 Lines marked `# STEP` are what this step changes in mnist_fsdp.py.
 """
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # STEP
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # STEP
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data.distributed import DistributedSampler
 
-from common.checkpoint import Position  # STEP
-from common.cli import add_checkpoint_flags  # STEP
-from common.cli import mnist_parser
-from common.cli import per_process_batch
-from common.distributed import device_for, init_process_group, print0, processes, require_launcher
-from common.distributed import exit_process
-from common.fsdp import fully_shard
+from common.checkpoint import Position
+from common.cli import add_checkpoint_flags, mnist_parser, per_process_batch
+from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
 from common.gather import sum_across_ranks
-from common.mnist import BasicNet, load_mnist, make_loader
+from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import autocast, grad_scaler, resolve_precision
-from common.samplers import DistributedEvalSampler
-from common.samplers import ResumableDistributedSampler  # STEP
-from common.sharded_checkpoint import ShardedCheckpoints  # STEP
-from common.stop_signal import StopSignal  # STEP
+from common.samplers import DistributedEvalSampler, ResumableDistributedSampler
+from common.sharded_checkpoint import ShardedCheckpoints
+from common.stop_signal import StopSignal
 
 
 def train_epoch(model, loader, optimizer, scaler, device, precision, position, checkpoints, stop):  # STEP
@@ -99,15 +95,21 @@ def main():
 
     launch = require_launcher("src/ch4/resume/mnist_fsdp_resume.py")  # STEP
     device = device_for(launch)
-    init_process_group(launch, device, args.dist_timeout)
+    timeout = timedelta(seconds=args.dist_timeout)
+    if device.type != "cpu":
+        torch.get_device_module(device).set_device(device)
+    with exit_if_peers_missing(launch, args.dist_timeout):
+        dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, device_id=device if device.type != "cpu" else None)
+        dist.barrier(async_op=True).wait(timeout=timeout)
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed + launch.rank)
 
     train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)  # STEP: can start mid-epoch
-    train_loader = make_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP: not the global RNG
-    test_loader = make_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)
+    train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP: not the global RNG
+    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)
     unpadded = len(DistributedEvalSampler(test_set))
 
     model = BasicNet().to(device)

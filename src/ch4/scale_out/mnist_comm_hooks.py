@@ -21,6 +21,7 @@ On a CPU torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores
 Lines marked `# STEP` are what this step changes in mnist_3_ddp.py.
 """
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,13 +29,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common.cli import add_comm_hook_flags, mnist_parser  # STEP
-from common.compile import add_compile_flag, compiled
-from common.cli import per_process_batch
-from common.lessons.comm_hooks import AllReduceCounter, bucket_cap_mb, bytes_report, register_comm_hook  # STEP
-from common.distributed import device_for, init_process_group, print0, processes, require_launcher
+from common.cli import add_comm_hook_flags, add_compile_flag, mnist_parser, per_process_batch
+from common.compile import compiled
+from common.distributed import backend_for, device_for, exit_if_peers_missing, print0, processes, require_launcher
 from common.gather import sum_across_ranks
-from common.mnist import BasicNet, load_mnist, make_loader
+from common.lessons.comm_hooks import AllReduceCounter, bucket_cap_mb, bytes_report, register_comm_hook
+from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import autocast, grad_scaler, resolve_precision
 from common.samplers import DistributedEvalSampler
 
@@ -76,15 +76,21 @@ def main():
 
     launch = require_launcher("src/ch4/scale_out/mnist_comm_hooks.py")  # STEP: its own name in the message
     device = device_for(launch)
-    init_process_group(launch, device, args.dist_timeout)
+    timeout = timedelta(seconds=args.dist_timeout)
+    if device.type != "cpu":
+        torch.get_device_module(device).set_device(device)
+    with exit_if_peers_missing(launch, args.dist_timeout):
+        dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, device_id=device if device.type != "cpu" else None)
+        dist.barrier(async_op=True).wait(timeout=timeout)
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed + launch.rank)
 
     train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = DistributedSampler(train_set, seed=args.seed)
-    train_loader = make_loader(train_set, batch_size, train_sampler, args.num_workers)
-    test_loader = make_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set), args.num_workers)
+    train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers)
+    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set), args.num_workers)
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
     model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None,  # STEP

@@ -37,26 +37,22 @@ torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores.
 Lines marked `# STEP` are what this step changes in mnist_fsdp.py.
 """
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh  # STEP
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data.distributed import DistributedSampler
 
-from common.cli import mesh_shape, positive_int  # STEP
-from common.cli import mnist_parser
-from common.compile import add_compile_flag, compile_in_place
-from common.cli import per_process_batch
-from common.distributed import device_for, init_process_group, print0, processes, require_launcher
-from common.distributed import exit_process
-from common.fsdp import MixedPrecisionPolicy, fully_shard  # STEP: torch.distributed.fsdp (torch.distributed._composable.fsdp before 2.6)
+from common.cli import PARAM_DTYPES, add_compile_flag, add_hsdp_flags, mesh_shape, mnist_parser, per_process_batch
+from common.compile import compile_in_place
+from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
 from common.gather import sum_across_ranks
-from common.mnist import BasicNet, load_mnist, make_loader
+from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import autocast, grad_scaler, resolve_precision
 from common.samplers import DistributedEvalSampler
-
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # STEP
 
 
 def shard(model, mesh, policy, backend=None):  # STEP
@@ -102,27 +98,26 @@ def evaluate(model, loader, device, precision, unpadded):
 
 
 def main():
-    parser = add_compile_flag(mnist_parser(__doc__))  # STEP
-    parser.add_argument("--replicas", type=positive_int, default=None,  # STEP
-                        help="R, the mesh's first dimension: R replicas of S = N/R shards each "  # STEP
-                             "(default: the number of nodes, WORLD_SIZE / LOCAL_WORLD_SIZE)")  # STEP
-    parser.add_argument("--param-dtype", choices=list(PARAM_DTYPES), default="fp32",  # STEP
-                        help="dtype FSDP2 all-gathers the parameters in and computes with; gradients are "  # STEP
-                             "reduced in fp32 into fp32 pieces (MixedPrecisionPolicy; default: fp32)")  # STEP
-    args = parser.parse_args()  # STEP
+    args = add_hsdp_flags(add_compile_flag(mnist_parser(__doc__))).parse_args()  # STEP: --replicas R, --param-dtype
 
     launch = require_launcher("src/ch4/scale_out/mnist_hsdp.py")  # STEP
     replicas, shards = mesh_shape(args.replicas, launch.world_size, launch.local_world_size)  # STEP: one sentence if R does not divide N
     device = device_for(launch)
-    init_process_group(launch, device, args.dist_timeout)
+    timeout = timedelta(seconds=args.dist_timeout)
+    if device.type != "cpu":
+        torch.get_device_module(device).set_device(device)
+    with exit_if_peers_missing(launch, args.dist_timeout):
+        dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, device_id=device if device.type != "cpu" else None)
+        dist.barrier(async_op=True).wait(timeout=timeout)
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed + launch.rank)
 
     train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = DistributedSampler(train_set, seed=args.seed)
-    train_loader = make_loader(train_set, batch_size, train_sampler, args.num_workers)
-    test_loader = make_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)
+    train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers)
+    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)
     unpadded = len(DistributedEvalSampler(test_set))
 
     model = BasicNet().to(device)

@@ -25,69 +25,66 @@ Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR read
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 src/ch4/sharded/mnist_deepspeed.py     # ... on the CPU, 2 processes
 Needs DeepSpeed: pip install -e '.[deepspeed]'. On a CPU torchrun sets OMP_NUM_THREADS=1 per process.
 
-Lines marked `# STEP` are what this step changes in mnist_fsdp.py.
+It rewrites much of mnist_fsdp.py, so its page shows it whole;
+`python tools/stepdiff.py src/ch4/sharded/mnist_fsdp.py src/ch4/sharded/mnist_deepspeed.py` shows the change.
 """
 import time
-from dataclasses import asdict  # STEP
-from pathlib import Path  # STEP
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 
-from common.checkpoint import Position, rng_state, set_rng_state, write_atomically  # STEP
-from common.cli import add_checkpoint_flags  # STEP
-from common.cli import mnist_parser
-from common.cli import per_process_batch
-from common.deepspeed_config import add_deepspeed_flags, deepspeed_config, input_dtype, require_deepspeed  # STEP
-from common.deepspeed_config import refuse_another_world_size, remove_old_checkpoints  # STEP
-from common.distributed import device_for, init_process_group, print0, processes, require_launcher
-from common.distributed import exit_process
+from common.checkpoint import Position, rng_state, set_rng_state, write_atomically
+from common.cli import add_checkpoint_flags, add_deepspeed_flags, mnist_parser, per_process_batch
+from common.deepspeed_config import deepspeed_config, input_dtype, refuse_another_world_size, remove_old_checkpoints, require_deepspeed
+from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
 from common.gather import sum_across_ranks
-from common.mnist import BasicNet, load_mnist, make_loader
-from common.precision import resolve_precision  # STEP
-from common.samplers import DistributedEvalSampler
-from common.samplers import ResumableDistributedSampler  # STEP
+from common.mnist import BasicNet, load_mnist, mnist_loader
+from common.precision import resolve_precision
+from common.samplers import DistributedEvalSampler, ResumableDistributedSampler
 
-deepspeed = require_deepspeed()  # STEP: import deepspeed, or one sentence on how to install it
+deepspeed = require_deepspeed()  # import deepspeed, or one sentence on how to install it
 
 
-def train_epoch(engine, loader, device, dtype, position, args):  # STEP
+def train_epoch(engine, loader, device, dtype, position, args):
     """One pass over this process's share of the training set; returns the mean training loss."""
-    engine.train()  # STEP
+    engine.train()
     loss_sum = torch.zeros((), device=device)
     for images, labels in loader:
-        images = images.to(device, dtype, memory_format=torch.channels_last, non_blocking=True)  # STEP: the weights' dtype
+        images = images.to(device, dtype, memory_format=torch.channels_last, non_blocking=True)  # the weights' dtype
         labels = labels.to(device, non_blocking=True)
-        loss = F.nll_loss(engine(images), labels)  # STEP: no autocast: the engine's forward turns it off
-        engine.backward(loss)  # STEP: fp16 loss scaling; averages the gradients (stages 2-3: as backward makes each)
-        engine.step()  # STEP: clip if configured, AdamW on this rank's shard, gather (stages 1-2), zero the gradients
+        loss = F.nll_loss(engine(images), labels)  # no autocast: the engine's forward turns it off
+        engine.backward(loss)  # fp16 loss scaling; averages the gradients (stages 2-3: as backward makes each)
+        engine.step()  # clip if configured, AdamW on this rank's shard, gather (stages 1-2), zero the gradients
         loss_sum += loss.detach()
-        position.advance(loader.sampler.global_batch, len(loader.dataset))  # STEP: the samples all ranks trained on
-        if position.step % args.checkpoint_every == 0:  # STEP
-            save_checkpoint(engine, args.checkpoint_dir, position, device)  # STEP
+        position.advance(loader.sampler.global_batch, len(loader.dataset))  # the samples all ranks trained on
+        if position.step % args.checkpoint_every == 0:
+            save_checkpoint(engine, args.checkpoint_dir, position, device)
     return loss_sum.item() / len(loader)
 
 
-def save_checkpoint(engine, folder, position, device):  # STEP
-    """The engine writes its own checkpoint, every rank its shards; client_state rides in rank 0's file (stage 3: every rank's)."""  # STEP
-    every_rng = [None] * dist.get_world_size()  # STEP
-    dist.all_gather_object(every_rng, rng_state(device))  # STEP: each rank's dropout masks go on as they would have
-    engine.save_checkpoint(folder, tag=f"step-{position.step}", client_state={"position": asdict(position), "rng": every_rng})  # STEP
-    if dist.get_rank() == 0:  # STEP
-        remove_old_checkpoints(folder)  # STEP: DeepSpeed keeps every tag
+def save_checkpoint(engine, folder, position, device):
+    """The engine writes its own checkpoint, every rank its shards; client_state rides in rank 0's file (stage 3: every rank's)."""
+    every_rng = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rng, rng_state(device))  # each rank's dropout masks go on as they would have
+    engine.save_checkpoint(folder, tag=f"step-{position.step}", client_state={"position": asdict(position), "rng": every_rng})
+    if dist.get_rank() == 0:
+        remove_old_checkpoints(folder)  # DeepSpeed keeps every tag
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, dtype, unpadded):  # STEP
+def evaluate(model, loader, device, dtype, unpadded):
     """Count correct predictions and images seen among this rank's first `unpadded` images."""
     model.eval()
     correct = seen = 0
     for images, labels in loader:
-        images = images.to(device, dtype, memory_format=torch.channels_last, non_blocking=True)  # STEP
+        images = images.to(device, dtype, memory_format=torch.channels_last, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
-        predictions = model(images).argmax(dim=1)  # STEP
+        predictions = model(images).argmax(dim=1)
         keep = min(labels.numel(), unpadded - seen)
         correct += (predictions[:keep] == labels[:keep]).sum().item()
         seen += keep
@@ -95,55 +92,61 @@ def evaluate(model, loader, device, dtype, unpadded):  # STEP
 
 
 def main():
-    args = add_deepspeed_flags(add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist-deepspeed", every=200)).parse_args()  # STEP
+    args = add_deepspeed_flags(add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist-deepspeed", every=200)).parse_args()
 
-    launch = require_launcher("src/ch4/sharded/mnist_deepspeed.py")  # STEP
+    launch = require_launcher("src/ch4/sharded/mnist_deepspeed.py")
     device = device_for(launch)
-    init_process_group(launch, device, args.dist_timeout)
+    timeout = timedelta(seconds=args.dist_timeout)
+    if device.type != "cpu":
+        torch.get_device_module(device).set_device(device)
+    with exit_if_peers_missing(launch, args.dist_timeout):
+        dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, device_id=device if device.type != "cpu" else None)
+        dist.barrier(async_op=True).wait(timeout=timeout)
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed + launch.rank)
 
     train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
     batch_size = per_process_batch(args.batch_size, launch.world_size)
-    train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)  # STEP: can start mid-epoch
-    train_loader = make_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP: not the global RNG
-    test_loader = make_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)
+    train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)  # can start mid-epoch
+    train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # not the global RNG
+    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)
     unpadded = len(DistributedEvalSampler(test_set))
 
     model = BasicNet().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    config = deepspeed_config(args, launch.world_size, precision)  # STEP: batch sizes, stage, precision, no clipping
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)  # STEP: rank 0's weights, sharded per the stage
-    client_state = None  # STEP
-    if (Path(args.checkpoint_dir) / "latest").exists():  # STEP: DeepSpeed's file naming the newest tag
-        refuse_another_world_size(args.checkpoint_dir, launch.world_size)  # STEP: one file of shards per rank
-        _, client_state = engine.load_checkpoint(args.checkpoint_dir)  # STEP: every rank reads its shards
-    position = Position(**client_state["position"]) if client_state else Position()  # STEP
-    if client_state:  # STEP
-        set_rng_state(client_state["rng"][launch.rank], device)  # STEP
-        print0(f"resumed at step {position.step}: epoch {position.epoch}, {position.samples_done} samples into it")  # STEP
-    first_step = position.step  # STEP
+    config = deepspeed_config(args, launch.world_size, precision)  # batch sizes, stage, precision, no clipping
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)  # rank 0's weights, sharded per the stage
+    client_state = None
+    if (Path(args.checkpoint_dir) / "latest").exists():  # DeepSpeed's file naming the newest tag
+        refuse_another_world_size(args.checkpoint_dir, launch.world_size)  # one file of shards per rank
+        _, client_state = engine.load_checkpoint(args.checkpoint_dir)  # every rank reads its shards
+    position = Position(**client_state["position"]) if client_state else Position()
+    if client_state:
+        set_rng_state(client_state["rng"][launch.rank], device)
+        print0(f"resumed at step {position.step}: epoch {position.epoch}, {position.samples_done} samples into it")
+    first_step = position.step
 
-    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, ZeRO stage {engine.zero_optimization_stage()}, "  # STEP
-           f"global batch {args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, ZeRO stage {engine.zero_optimization_stage()}, "
+           f"global batch {args.batch_size} = {launch.world_size} x {batch_size}")
     train_seconds = 0.0
-    for epoch in range(position.epoch, args.epochs):  # STEP
-        train_sampler.set_epoch(epoch, position.samples_done)  # STEP: the same shuffle, from the global cursor on
+    for epoch in range(position.epoch, args.epochs):
+        train_sampler.set_epoch(epoch, position.samples_done)  # the same shuffle, from the global cursor on
         start = time.perf_counter()
-        loss = train_epoch(engine, train_loader, device, input_dtype(precision), position, args)  # STEP
+        loss = train_epoch(engine, train_loader, device, input_dtype(precision), position, args)
         train_seconds += time.perf_counter() - start
         loss = sum_across_ranks(loss, device=device)[0] / launch.world_size
         print0(f"epoch {epoch}: mean training loss {loss:.4f}")
-    save_checkpoint(engine, args.checkpoint_dir, position, device)  # STEP: a later --epochs N continues from here
-    final = Path(args.checkpoint_dir) / "final.pt"  # STEP
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # STEP: stage 3 all-gathers; 0-2 hold them whole
-        if launch.rank == 0:  # STEP
-            write_atomically({k: v.float().cpu() for k, v in engine.module.state_dict().items()}, final)  # STEP
-    print0(f"final weights in {final}")  # STEP
+    save_checkpoint(engine, args.checkpoint_dir, position, device)  # a later --epochs N continues from here
+    final = Path(args.checkpoint_dir) / "final.pt"
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3 all-gathers; 0-2 hold them whole
+        if launch.rank == 0:
+            write_atomically({k: v.float().cpu() for k, v in engine.module.state_dict().items()}, final)
+    print0(f"final weights in {final}")
 
-    correct, seen = evaluate(engine, test_loader, device, input_dtype(precision), unpadded)  # STEP: stage 3: every rank runs every forward
+    correct, seen = evaluate(engine, test_loader, device, input_dtype(precision), unpadded)  # stage 3: every rank runs every forward
     correct, seen = sum_across_ranks(correct, seen, device=device)
-    print0(f"train time {train_seconds:.1f} s, {(position.step - first_step) * args.batch_size / max(train_seconds, 1e-9):.0f} samples/s")  # STEP: this run's
+    print0(f"train time {train_seconds:.1f} s, {(position.step - first_step) * args.batch_size / max(train_seconds, 1e-9):.0f} samples/s")  # this run's
     print0(f"test accuracy {correct / seen:.2%} over {seen} images")
     dist.destroy_process_group()
     exit_process()

@@ -23,6 +23,7 @@ Needs DeepSpeed: pip install -e '.[deepspeed]'.
 Lines marked `# STEP` are what this step changes in nli_fsdp.py.
 """
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,13 +32,12 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from common.cli import per_process_batch
-from common.deepspeed_config import add_deepspeed_flags, deepspeed_config, require_deepspeed  # STEP
-from common.distributed import device_for, init_process_group, print0, processes, require_launcher
-from common.distributed import exit_process
+from common.cli import add_deepspeed_flags, nli_parser, per_process_batch
+from common.deepspeed_config import deepspeed_config, require_deepspeed
+from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
 from common.gather import sum_across_ranks
-from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
-from common.precision import resolve_precision  # STEP
+from common.nli import load_model_and_tokenizer, load_pairs, nli_loader, to_device, tokenize_pairs
+from common.precision import resolve_precision
 from common.samplers import DistributedEvalSampler
 
 deepspeed = require_deepspeed()  # STEP: import deepspeed, or one sentence on how to install it
@@ -80,7 +80,13 @@ def evaluate(model, loader, device, unpadded):  # STEP
 def main(args):
     launch = require_launcher("src/ch4/sharded/nli_deepspeed.py")  # STEP
     device = device_for(launch)
-    init_process_group(launch, device, args.dist_timeout)
+    timeout = timedelta(seconds=args.dist_timeout)
+    if device.type != "cpu":
+        torch.get_device_module(device).set_device(device)
+    with exit_if_peers_missing(launch, args.dist_timeout):
+        dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, device_id=device if device.type != "cpu" else None)
+        dist.barrier(async_op=True).wait(timeout=timeout)
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed + launch.rank)
 
@@ -89,8 +95,8 @@ def main(args):
     train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length) for pairs in (train_pairs, eval_pairs))
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = DistributedSampler(train_set, seed=args.seed)
-    train_loader = make_loader(train_set, tokenizer, batch_size, train_sampler)
-    eval_loader = make_loader(eval_set, tokenizer, args.eval_batch_size, DistributedSampler(eval_set, shuffle=False))
+    train_loader = nli_loader(train_set, tokenizer, batch_size, train_sampler)
+    eval_loader = nli_loader(eval_set, tokenizer, args.eval_batch_size, DistributedSampler(eval_set, shuffle=False))
     unpadded = len(DistributedEvalSampler(eval_set))
 
     model = model.to(device)

@@ -22,6 +22,7 @@ Run from the repository root (the defaults download bert-base-cased and MultiNLI
 Lines marked `# STEP` are what this step changes in ddp.py.
 """
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -30,12 +31,11 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from common.cli import per_process_batch
-from common.distributed import device_for, init_process_group, print0, processes, require_launcher
-from common.distributed import exit_process  # STEP
-from common.fsdp import fully_shard_blocks  # STEP: the sharded chapter's policy, for any transformers model
+from common.cli import nli_parser, per_process_batch
+from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
+from common.fsdp import fully_shard_blocks
 from common.gather import sum_across_ranks
-from common.nli import load_model_and_tokenizer, load_pairs, make_loader, nli_parser, to_device, tokenize_pairs
+from common.nli import load_model_and_tokenizer, load_pairs, nli_loader, to_device, tokenize_pairs
 from common.precision import autocast, grad_scaler, optimizer_step, resolve_precision
 from common.samplers import DistributedEvalSampler
 
@@ -83,7 +83,13 @@ def evaluate(model, loader, device, precision, unpadded):  # STEP
 def main(args):
     launch = require_launcher("src/ch4/sharded/nli_fsdp.py")  # STEP
     device = device_for(launch)
-    init_process_group(launch, device, args.dist_timeout)
+    timeout = timedelta(seconds=args.dist_timeout)
+    if device.type != "cpu":
+        torch.get_device_module(device).set_device(device)
+    with exit_if_peers_missing(launch, args.dist_timeout):
+        dist.init_process_group(backend_for(device), rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, device_id=device if device.type != "cpu" else None)
+        dist.barrier(async_op=True).wait(timeout=timeout)
     precision = resolve_precision(args.precision, device)
     torch.manual_seed(args.seed + launch.rank)
 
@@ -92,8 +98,8 @@ def main(args):
     train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length) for pairs in (train_pairs, eval_pairs))
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = DistributedSampler(train_set, seed=args.seed)
-    train_loader = make_loader(train_set, tokenizer, batch_size, train_sampler)
-    eval_loader = make_loader(eval_set, tokenizer, args.eval_batch_size, DistributedSampler(eval_set, shuffle=False))  # STEP: as many batches on every rank
+    train_loader = nli_loader(train_set, tokenizer, batch_size, train_sampler)
+    eval_loader = nli_loader(eval_set, tokenizer, args.eval_batch_size, DistributedSampler(eval_set, shuffle=False))  # STEP: as many batches on every rank
     unpadded = len(DistributedEvalSampler(eval_set))  # STEP: this rank's share before DistributedSampler's repeats
 
     model = model.to(device)
