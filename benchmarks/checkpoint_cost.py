@@ -29,11 +29,11 @@ from common.mnist import BasicNet
 from common.precision import autocast, resolve_precision
 
 BERT_SHAPES = {  # name: hidden size, layers, heads, intermediate size
-    "tiny BERT (tests)": (32, 2, 2, 64),
-    "all-MiniLM-L6-v2": (384, 6, 12, 1536),
+    "tiny BERT shape, cased vocab": (32, 2, 2, 64),
+    "MiniLM-L6 shape, cased vocab": (384, 6, 12, 1536),
     "bert-base-cased": (768, 12, 12, 3072),
 }
-MODELS = {"basicnet": "BasicNet", "tiny": "tiny BERT (tests)", "minilm": "all-MiniLM-L6-v2", "bert-base": "bert-base-cased"}
+MODELS = {"basicnet": "BasicNet", "tiny": "tiny BERT shape, cased vocab", "minilm": "MiniLM-L6 shape, cased vocab", "bert-base": "bert-base-cased"}
 INTERVAL = {"BasicNet": 200, "BERT": 500}  # --checkpoint-every in mnist_3_ddp_resume.py and ddp_resume.py
 
 

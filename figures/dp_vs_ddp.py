@@ -86,7 +86,7 @@ def moves(work: dict) -> dict[str, list[tuple[str, int]]]:
             ("once, at DDP(model): broadcast rank 0's weights (not per step)", 0),
             (f"each process loads its own share: {share}", 0),
             ("forward on every GPU", 0),
-            (f"backward + ring all-reduce in buckets: each GPU sends and receives 2(N-1)/N × {human(work['param_bytes'])}",
+            (f"backward + ring all-reduce in buckets: each GPU sends 2(N-1)/N × {human(work['param_bytes'])} and receives as much",
              round(2 * bytes_sent_per_rank("ring", work["param_bytes"], GPUS))),
             ("optimizer step on every GPU (same gradients, same weights)", 0)],
     }

@@ -209,16 +209,24 @@ def run_spec(spec, data_dir):
     return result.returncode, clean(result.stdout, spec["options"].get("drop"))
 
 
+def machine_description(device=None):
+    """The machine's name, and on a CPU whether it has bf16 units: without them bf16 is emulated, several times
+    slower than fp32, and --precision auto picks fp32, so both the speeds and the precision a page shows depend on it."""
+    from common.machine import machine_name
+    from common.precision import cpu_has_bf16
+    if device is not None:
+        return machine_name(device)
+    return f"{machine_name()} {'with' if cpu_has_bf16() else 'without'} bf16 units"
+
+
 def record(page_path, name, spec, data_dir):
     import torch
-
-    from common.machine import machine_name
     code, output = run_spec(spec, data_dir)
     if code != 0 and spec["options"].get("exit") != "any":
         tail = "\n".join(output[-15:])
         raise RuntimeError(f"{page_path.name}, record {name}: exited with {code} (add `exit: any` if meant):\n{tail}")
     device = torch.device("cuda") if spec["options"].get("needs") == "gpu" else None
-    recording = {**spec, "output": output, "machine": machine_name(device), "torch": torch.__version__.split("+")[0],
+    recording = {**spec, "output": output, "machine": machine_description(device), "torch": torch.__version__.split("+")[0],
                  "date": datetime.date.today().isoformat(), "sources": fingerprint(spec["commands"])}
     path = recording_path(page_path, name)
     path.parent.mkdir(parents=True, exist_ok=True)
