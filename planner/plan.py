@@ -282,6 +282,14 @@ def load_config(name: str):
 HEADS = ("auto", "causal-lm", "sequence-classification")
 
 
+def add_head_flag(parser: argparse.ArgumentParser) -> None:
+    """--head, which both planners take: the head of --model's config (head_class)."""
+    parser.add_argument("--head", choices=HEADS, default="auto",
+                        help="--model's head: auto (default: a causal LM for a decoder-only model type or where the "
+                             "config's architectures name one, else a sequence classifier), causal-lm, "
+                             "sequence-classification")
+
+
 def head_class(config, head: str = "auto"):
     """The model a config is trained as here: `head`'s, or with auto the head its architectures name (a causal LM,
     its head untied or not, or a sequence classifier); where they name neither (a config made in code names none),
@@ -357,10 +365,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=positive(int), help="parameter count, e.g. 7e9")
     size.add_argument("--model", help="a hub name (from the local cache) or a folder with a config.json")
-    parser.add_argument("--head", choices=HEADS, default="auto",
-                        help="--model's head: auto (default: a causal LM for a decoder-only model type or where the "
-                             "config's architectures name one, else a sequence classifier), causal-lm, "
-                             "sequence-classification")
+    add_head_flag(parser)
     parser.add_argument("--gpus", type=positive(int), default=8, help="GPUs in all (default: 8)")
     parser.add_argument("--gpus-per-node", type=positive(int), help="(default: 8, or --gpus if fewer)")
     parser.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),

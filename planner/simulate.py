@@ -374,10 +374,7 @@ def parse_args(argv=None):
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--model", help="a folder with a config.json, or a hub name from the local cache")
     size.add_argument("--layers", type=planner.positive(int), help="with --hidden: a stack of LAYERS x Linear(HIDDEN, HIDDEN)")
-    parser.add_argument("--head", choices=planner.HEADS, default="auto",
-                        help="--model's head: auto (default: a causal LM for a decoder-only model type or where the "
-                             "config's architectures name one, else a sequence classifier), causal-lm, "
-                             "sequence-classification")
+    planner.add_head_flag(parser)
     parser.add_argument("--hidden", type=planner.positive(int), help="with --layers: the width")
     parser.add_argument("--gpus", type=planner.positive(int), default=8, help="the simulated world size (default: 8)")
     parser.add_argument("--gpus-per-node", type=planner.positive(int), help="HSDP's shard group (default: 8, or --gpus if fewer)")
