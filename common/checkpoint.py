@@ -14,7 +14,9 @@ run was). This module does what is easy to get wrong:
     skipping (with a warning) a corrupt file or a temporary one left by a kill during a save;
   - a checkpoint for another global batch, dataset, seed or precision stops the run with one sentence
     instead of resuming into a different run. Another world size is not refused: the position is a
-    global sample cursor (common/samplers.py), the same at any world size that divides the global batch.
+    global sample cursor (common/samplers.py), the same at any world size that divides the global batch;
+  - a rerun over the checkpoint a finished run left says so and trains nothing, rather than print a
+    training of 0 s and the old run's accuracy as its own result.
 The folder must be one that every node sees (a shared filesystem): rank 0 picks the file, all ranks read it.
 """
 import os
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.distributed import processes, rank
+from common.distributed import exit_process, processes, rank
 
 KEEP = 2
 NAME = re.compile(r"step-(\d+)\.pt")
@@ -72,6 +74,26 @@ def reseed(seed: int, rank: int, step: int) -> None:
     value = random.Random(f"{seed} {rank} {step}").getrandbits(63)
     torch.manual_seed(value)  # the CPU's generator and every GPU's
     random.seed(value)
+
+
+def another_run(saved: dict, now: dict) -> str | None:
+    """What differs between the settings a checkpoint was written with and this run's, as "key X there,
+    Y here, ..."; None where they agree."""
+    different = [f"{key} {saved.get(key)} there, {value} here" for key, value in now.items() if saved.get(key) != value]
+    return ", ".join(different) or None
+
+
+def exit_finished(folder: Path, position: Position, longer: str | None) -> None:
+    """End every rank where the newest checkpoint is the end of the run: a rerun of a finished command
+    (a requeued job, or a user's second try) has nothing to train. `longer` says how to train on, if it can."""
+    if rank() == 0:
+        how = f"pass {longer} to train on, or another --checkpoint-dir to start afresh" if longer else \
+            "pass another --checkpoint-dir to start afresh"
+        print(f"nothing to train: the run in {folder} ended at step {position.step}, and its trained weights are in "
+              f"{folder / 'final.pt'}; {how}.", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+    exit_process(0)
 
 
 def _gather_to_rank0(obj) -> list | None:
@@ -180,6 +202,11 @@ class Checkpoints:
         self._resumed(state, path)
         return state
 
+    def exit_if_finished(self, position: Position, finished: bool, longer: str | None = None) -> None:
+        """A rerun over a finished run's checkpoint: say so, and end every rank (exit_finished)."""
+        if finished:
+            exit_finished(self.folder, position, longer)
+
     def _find_newest(self) -> tuple[dict, Path] | None:
         """Rank 0 picks the newest checkpoint that loads; every rank reads it and checks that it is this run's."""
         state, name = self._newest_that_loads() if rank() == 0 else (None, None)
@@ -233,9 +260,6 @@ class Checkpoints:
             sys.exit(f"error: {path} was written by an older version of these scripts (its position holds "
                      f"{', '.join(sorted(state['position']))}); finish that run with the code that started it, "
                      "or start afresh with another --checkpoint-dir.")
-        different = {key: (state["fingerprint"].get(key), value) for key, value in self.fingerprint.items()
-                     if state["fingerprint"].get(key) != value}
-        if different:
-            listed = ", ".join(f"{key} {saved} there, {now} here" for key, (saved, now) in different.items())
-            sys.exit(f"error: {path} belongs to another run ({listed}); resume with the same settings, "
+        if different := another_run(state["fingerprint"], self.fingerprint):
+            sys.exit(f"error: {path} belongs to another run ({different}); resume with the same settings, "
                      f"or start afresh with another --checkpoint-dir.")

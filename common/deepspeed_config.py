@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from common.checkpoint import KEEP, checkpoints_in
+from common.checkpoint import KEEP, another_run, checkpoints_in
 from common.cli import DEFAULT_STAGE, STAGES
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -83,17 +83,25 @@ def read_config(path: Path) -> dict:
     return config
 
 
-def refuse_another_world_size(folder: str | Path, world_size: int) -> None:
-    """Stop with one sentence where the newest checkpoint was written at another world size: its shards
-    (one file per rank at stages 1-3) and its random states (one per rank) belong to the ranks that wrote them."""
+def refuse_another_run(folder: str | Path, world_size: int, fingerprint: dict) -> None:
+    """Stop with one sentence where the newest checkpoint belongs to another run: one written at another world
+    size (its shards, one file per rank at stages 1-3, and its random states belong to the ranks that wrote
+    them), or under other settings (another ZeRO stage's shards do not load, and another precision or batch
+    would resume into a different run). Nothing in the folder is touched."""
     newest = Path(folder) / (Path(folder) / "latest").read_text().strip()
-    writers = len(list(newest.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt")))
-    if not writers and (newest / "mp_rank_00_model_states.pt").exists():  # stage 0: the whole model, one file
-        writers = len(torch.load(newest / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["rng"])
+    states = sorted(newest.glob("*mp_rank_00_model_states.pt"))  # client_state: rank 0's file (stage 3: every rank's)
+    client = torch.load(states[0], map_location="cpu", weights_only=False, mmap=True) if states else {}
+    writers = len(list(newest.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"))) or len(client.get("rng", ()))
     if writers != world_size:
         sys.exit(f"error: {newest} was written by {writers} processes and this run has {world_size}: a DeepSpeed "
                  f"checkpoint resumes at the world size that wrote it (python {Path(folder) / 'zero_to_fp32.py'} "
                  "turns it into whole weights to start from elsewhere).")
+    if "fingerprint" not in client:
+        sys.exit(f"error: {newest} was written by an older version of these scripts (it does not say which settings "
+                 "wrote it); finish that run with the code that started it, or start afresh with another --checkpoint-dir.")
+    if different := another_run(client["fingerprint"], fingerprint):
+        sys.exit(f"error: {newest} belongs to another run ({different}); resume with the same settings, or start "
+                 "afresh with another --checkpoint-dir.")
 
 
 def remove_old_checkpoints(folder: str | Path, keep: int = KEEP) -> None:

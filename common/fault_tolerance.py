@@ -1,6 +1,6 @@
 """What the fault-tolerant rungs share (src/ch4/fault_tolerant/): torchft, or one sentence where it is missing; the
-replica group's checks (its flags are common/cli.py's add_fault_tolerance_flags); the batch of a step; and the per-step
-log and the summary that the tests and the figure read."""
+replica group's checks (its flags are common/cli.py's add_fault_tolerance_flags), and a heal's check that its peer is
+of the same run; the batch of a step; and the per-step log and the summary that the tests and the figure read."""
 import contextlib
 import json
 import os
@@ -11,6 +11,9 @@ from pathlib import Path
 
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
+
+from common.checkpoint import another_run
+from common.distributed import exit_process
 
 INSTALL = ("pip install torchft==0.2.0 (Linux, Python 3.10 to 3.12, torch 2.7 or newer), or pip install -e '.[ft]' "
            "in this repository")
@@ -37,6 +40,22 @@ def check_group(args, launch, script: str, one_process: bool = True) -> None:
     if not args.lighthouse:
         sys.exit("error: no lighthouse: start one (torchft_lighthouse --min_replicas 1 --bind '[::]:29510') and pass "
                  "--lighthouse http://HOST:29510, or set TORCHFT_LIGHTHOUSE.")
+
+
+def run_settings(args, precision: str, training_images: int, max_steps: int) -> dict:
+    """What every group of one run shares. A group's state carries them to the peer it heals, which checks
+    them (refuse_another_run): a group started with other flags would otherwise take the state and go on."""
+    return {"groups": args.groups, "global batch": args.batch_size, "training images": training_images,
+            "seed": args.seed, "precision": precision, "steps": max_steps}
+
+
+def refuse_another_run(peer: dict, ours: dict, group: int) -> None:
+    """End this group with one sentence, before it loads anything, where the peer it heals from runs with
+    other settings; the live groups go on (they see this one leave the quorum)."""
+    if different := another_run(peer, ours):
+        print(f"error: group {group} would heal from a group of another run ({different}); start every group "
+              "with the same flags.", file=sys.stderr, flush=True)
+        exit_process(1)  # now, past torchft's threads: a heal happens inside its step
 
 
 @contextlib.contextmanager

@@ -1,8 +1,11 @@
 """Start N processes on this machine, joined into a gloo process group, with a hard time limit.
 
-For tests and benchmarks that need a real process group without a launcher. Each process gets the
-variables torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
-OMP_NUM_THREADS=1), so code that reads them, such as Accelerate, sees an ordinary launch.
+For tests and benchmarks that need a real process group without a launcher. The rendezvous is a
+TCPStore that this (the parent) process opens on a port the kernel picks, and the N processes connect
+to: a port chosen first and bound later could be taken in between by another test's processes. Each
+process gets the variables torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT: the store's, and OMP_NUM_THREADS=1), so code that reads them, such as
+Accelerate, sees an ordinary launch.
 """
 import os
 import sys
@@ -15,14 +18,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.distributed import exit_process, free_port
+from common.distributed import exit_process
 
 
 def _entry(rank, worker, world_size, port, result_path, args):
     torch.set_num_threads(1)  # N processes share the machine's cores, as under torchrun
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))  # the parent's
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:
         result = worker(rank, world_size, *args)
         if rank == 0:
@@ -46,9 +50,10 @@ def run_in_process_group(worker, world_size: int, *args, timeout: float = 300):
                          f"processes run_in_process_group spawns cannot import it (in their stderr: Can't get "
                          f"attribute '{worker.__name__}' on <module '__main__'>): define it in a module and "
                          "import it from there, as common/lessons/notebook_workers.py does.")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # bound now, to a free port
     with tempfile.TemporaryDirectory() as folder:
         result_path = Path(folder) / "rank0.pt"
-        context = mp.start_processes(_entry, args=(worker, world_size, free_port(), str(result_path), args),
+        context = mp.start_processes(_entry, args=(worker, world_size, store.port, str(result_path), args),
                                      nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         while not context.join(timeout=1):

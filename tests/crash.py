@@ -66,11 +66,25 @@ def record_samples(path: Path) -> None:
     ResumableDistributedSampler.__iter__ = recorded
 
 
+def whole(tree):
+    """FSDP2's DTensors as whole tensors (full_tensor is a collective: every rank records at its first step)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(tree, DTensor):
+        return tree.full_tensor()
+    if isinstance(tree, dict):
+        return {key: whole(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [whole(value) for value in tree]
+    return tree
+
+
 def record_loaded(path: Path) -> None:
     def hook(optimizer, args, kwargs) -> None:
+        if any(group["lr"] == 0 for group in optimizer.param_groups):
+            return  # get_state_dict's step with zero gradients and lr 0, which makes AdamW's state to load into
         if not path.exists():
-            parameters = [parameter.detach().clone() for group in optimizer.param_groups for parameter in group["params"]]
-            torch.save({"parameters": parameters, "optimizer": optimizer.state_dict()}, path)
+            parameters = [whole(parameter.detach()).clone() for group in optimizer.param_groups for parameter in group["params"]]
+            torch.save({"parameters": parameters, "optimizer": whole(optimizer.state_dict())}, path)
     register_optimizer_step_pre_hook(hook)
 
 

@@ -20,7 +20,6 @@ from test_zero import adamw, small_model
 from test_zero import batch_for as zero_batch_for
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.distributed import free_port
 from common.lessons.zero import ZeRO
 from common.spawn import run_in_process_group
 
@@ -93,9 +92,10 @@ def test_deepspeeds_default_clipping_breaks_the_equality(every_stage_run):
 
 
 def one_process(*flags, env_extra=None, script="mnist_deepspeed.py", data=()):
-    """The rung as rank 0 of 1 under plain python, so that the error is the script's alone (torchrun adds its own traceback)."""
+    """The rung as rank 0 of 1 under plain python, so that the error is the script's alone (torchrun adds its own traceback);
+    MASTER_PORT 0: the one process's store binds a port the kernel picks."""
     environment = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
+                   "MASTER_PORT": "0", "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
     return run_as_user(PYTHON, SHARDED / script, *data, *flags, env_extra=environment, timeout=120)
 
 

@@ -83,14 +83,21 @@ def test_a_killed_run_resumes_bitwise_from_the_engines_checkpoint(uninterrupted,
     assert same == bitwise
 
 
-def test_a_checkpoint_of_another_world_size_is_refused_and_kept(uninterrupted, tiny_mnist, tmp_path):
+@pytest.mark.parametrize("processes, flags, phrase", [
+    (1, [], "step-12 was written by 3 processes and this run has 1"),
+    (3, ["--zero-stage", "1"], "step-12 belongs to another run (ZeRO stage 3 there, 1 here)"),  # DeepSpeed: an assertion
+    (3, [], "nothing to train: the run in {folder} ended at step 12"),  # the same command again: a clean exit
+])
+def test_a_checkpoint_of_another_run_is_refused_and_kept(uninterrupted, tiny_mnist, tmp_path, processes, flags, phrase):
     folder = tmp_path / "checkpoints"
     shutil.copytree(uninterrupted[0], folder)
     before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
-    result = run_rung("--data-dir", tiny_mnist, "--batch-size", "33", "--epochs", "3", "--precision", "fp32",
-                      "--checkpoint-dir", folder, processes=1)
-    assert result.returncode != 0 and "step-12 was written by 3 processes and this run has 1" in result.stderr, result.stderr[-2000:]
-    assert "]: Traceback" not in result.stderr  # torchrun's own summary aside
+    result = run_rung("--data-dir", tiny_mnist, "--batch-size", "33", "--epochs", "2", "--precision", "fp32",
+                      "--zero-stage", "3", "--checkpoint-dir", folder, *flags, processes=processes)
+    finished = "nothing to train" in phrase
+    assert (result.returncode == 0) == finished, result.stderr[-2000:]
+    assert phrase.format(folder=folder) in (result.stdout if finished else result.stderr), result.stderr[-2000:]
+    assert "]: Traceback" not in result.stderr and "train time" not in result.stdout  # torchrun's own summary aside
     assert {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()} == before  # nothing lost
 
 

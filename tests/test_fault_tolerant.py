@@ -52,13 +52,13 @@ class Groups:
         self.groups, self.steps, self.batch, self.script, self.nproc = groups, steps, batch, script, nproc
         self.running, self.starts = {}, {}
 
-    def start(self, group: int, hooks: str = "none") -> None:
+    def start(self, group: int, hooks: str = "none", *flags) -> None:
         run = self.starts[group] = self.starts.get(group, 0) + 1
         command = [*TORCHRUN, f"--nproc_per_node={self.nproc}", HOOKS, hooks, self.script, "--data-dir", self.data, "--group", group,
                    "--groups", self.groups, "--batch-size", self.batch, "--max-steps", self.steps,
                    "--lighthouse", self.lighthouse, "--quorum-timeout", 30, "--dist-timeout", 30,
                    "--step-log", self.log_path(group, run), "--summary", self.folder / f"summary{group}.json",
-                   "--save", self.folder / f"weights{group}.pt"]
+                   "--save", self.folder / f"weights{group}.pt", *flags]
         out = (self.folder / f"out{group}-{run}.txt").open("w")
         self.running[group] = subprocess.Popen([str(part) for part in command], cwd=ROOT, env=offline_env(LOCAL),
                                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -247,6 +247,24 @@ def test_a_heal_that_does_not_copy_the_whole_state_is_caught(make_groups, tmp_pa
     groups.finish()
     assert groups.log(1)[0]["step"] > 3
     assert not equal_weights(groups, 2)
+
+
+def test_a_group_started_with_other_flags_stops_at_its_heal(make_groups, tmp_path):
+    """Group 1 joins late with another --seed: the state it heals from carries group 0's settings, and it stops with
+    one sentence before it loads anything, while group 0 trains on to its last step."""
+    slow = tmp_path / "slow"
+    groups = make_groups(groups=2, steps=12, batch=12)
+    slow.touch()
+    groups.start(0, f"slow-while={slow}")
+    groups.wait_for("step 3 in group 0", lambda: groups.step(0) >= 3)
+    groups.start(1, "none", "--seed", "1")
+    stopped = groups.running.pop(1).wait(timeout=WAIT)
+    slow.unlink()
+    groups.finish()
+    output = (tmp_path / "out1-1.txt").read_text()
+    assert stopped != 0 and "error: group 1 would heal from a group of another run (seed 0 there, 1 here)" in output, output
+    assert "Traceback" not in output.split("failed (exitcode:")[0], output
+    assert groups.summary(0)["final_step"] == 12
 
 
 def test_no_lighthouse_no_quorum_no_torchft_each_one_sentence(lighthouse, tiny_mnist, tmp_path):

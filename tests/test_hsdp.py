@@ -38,7 +38,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data.distributed import DistributedSampler
 
-from common.distributed import free_port
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.samplers import DistributedEvalSampler
@@ -250,8 +249,10 @@ def test_a_mesh_that_does_not_divide_the_processes_is_one_sentence(tmp_path):
 def test_two_nodes_as_the_header_says(tiny_mnist, tmp_path):
     """Two torchrun agents (two "nodes" of 2 processes) meet by c10d rendezvous; the default mesh is then
     2 x 2, one shard group per node; the replicas end equal, and the printed accuracy is one process's."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the rendezvous, on a port the kernel picks
     command = [PYTHON, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
-               f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=hsdp-test", INSTRUMENT, tmp_path, SCRIPT,
+               f"--rdzv_endpoint=127.0.0.1:{store.port}", "--rdzv_conf=is_host=false",  # both agents join the test's store
+               "--rdzv_id=hsdp-test", INSTRUMENT, tmp_path, SCRIPT,
                "--data-dir", tiny_mnist, "--precision", "fp32", "--batch-size", "32", "--dist-timeout", "60"]
     nodes = [subprocess.Popen([str(a) for a in command], cwd=ROOT, env=offline_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]

@@ -1,10 +1,12 @@
 """Launch detection reads torchrun's variables, else SLURM's, else means one process; a missing peer
 ends the run with a message instead of a hang."""
+import socket
+
 import pytest
 import torch
 from conftest import PYTHON, ROOT, assert_clear_error
 
-from common.distributed import Launch, detect_launch, device_for, exit_if_peers_missing, free_port, require_launcher
+from common.distributed import Launch, detect_launch, device_for, exit_if_peers_missing, require_launcher
 from common.precision import autocast
 
 
@@ -37,10 +39,12 @@ def test_device_without_gpus_is_the_cpu():
 def test_missing_peer_fails_fast_with_a_message(run_command, script):
     """Rank 1 of 2 waits for a rank 0 that never starts: torch's own dist.init_process_group, as the DDP rung
     and the debugging gallery call it, gives up after the timeout, and exit_if_peers_missing says so in one sentence."""
-    env_vars = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(free_port())}
-    flag = "--timeout" if "debugging" in script else "--dist-timeout"
-    result = run_command("env", *[f"{k}={v}" for k, v in env_vars.items()], PYTHON, ROOT / script, flag, "3", timeout=60)
+    with socket.socket() as unheard:  # bound and never listening: no rank 0, and no other process can take the port
+        unheard.bind(("127.0.0.1", 0))
+        env_vars = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(unheard.getsockname()[1])}
+        flag = "--timeout" if "debugging" in script else "--dist-timeout"
+        result = run_command("env", *[f"{k}={v}" for k, v in env_vars.items()], PYTHON, ROOT / script, flag, "3", timeout=60)
     assert_clear_error(result, "rank 1 could not join a process group of 2 within 3 s")
 
 

@@ -5,7 +5,7 @@ every 4), under torchrun with --max-restarts=1; tests/crash.py SIGKILLs a worker
 the first attempt only, torchrun restarts the workers, and they resume from the newest checkpoint.
 Three processes, not two: with two, every all-reduce sum is a + b == b + a, and a resumed DDP that
 reduces in other buckets than the run it continues (common/resume_buckets.py) ends bitwise equal all the
-same; with three it does not. A clean resume (a finished run's checkpoint copied into a new folder)
+same; with three it does not. A clean resume (a run's step-8 checkpoint copied into a new folder)
 is checked at 2 processes too.
 Equal means torch.equal on every tensor of the final weights and of the final optimizer state. The
 negative controls break one part of the resume (random state, data position, the buckets) and must differ.
@@ -28,7 +28,7 @@ RESUME = ROOT / "src" / "ch4" / "resume"
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def run(folder, data, what="none", processes=3, *flags, restarts=1, script="mnist_3_ddp_resume.py"):
+def run(folder, data, what="none", processes=3, *flags, restarts=1, script="mnist_3_ddp_resume.py", record=None):
     """2 epochs of 6 steps (MNIST: 192 images; a global batch of 33 at 1 and 3 processes, 6 batches of
     11 in a rank's 64; 32 at 2 and 4), a checkpoint every 4 steps; BERT: 2 epochs of 10 steps."""
     batch = "32" if processes in (2, 4) else "33"
@@ -36,7 +36,8 @@ def run(folder, data, what="none", processes=3, *flags, restarts=1, script="mnis
         else ["--model", data[0], "--dataset", data[1], "--batch-size", "12"]
     return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", f"--max-restarts={restarts}", CRASH, what,
                        RESUME / script, *data_flags, "--checkpoint-dir", folder, "--checkpoint-every", "4", "--epochs", "2",
-                       "--precision", "fp32", "--dist-timeout", "60", *flags, env_extra=RESTARTABLE, timeout=240)
+                       "--precision", "fp32", "--dist-timeout", "60", *flags, timeout=240,
+                       env_extra={**RESTARTABLE, **({"RECORD_SAMPLES": str(record)} if record else {})})
 
 
 def final_state(folder):
@@ -169,8 +170,9 @@ def test_checkpoint_of_another_run_is_refused(uninterrupted, tiny_mnist, tmp_pat
 def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path):
     """The tiny BERT: dropout in every layer and a linear schedule; 2 epochs of 10 steps, killed after 14.
     Under bf16 autocast: its casts are nodes of the graph whose gradient order DDP records, so the resumed
-    buckets are rebuilt under the same autocast. The checkpoint is also resumed at 1 process (resaved_at_1);
-    one of another precision is refused in test_checkpoint_of_another_run_is_refused."""
+    buckets are rebuilt under the same autocast. A checkpoint is also resumed at 1 process
+    (resumed_at_1), and the finished run is not trained again; one of another precision is refused in
+    test_checkpoint_of_another_run_is_refused."""
     data, precision = (tiny_bert, nli_pairs), ["--precision", "bf16"]
     uninterrupted, killed = tmp_path / "uninterrupted", tmp_path / "killed"
     assert_ran(run(uninterrupted, data, "none", 3, *precision, script="ddp_resume.py"), "over 13 pairs")
@@ -179,21 +181,30 @@ def test_bert_killed_run_resumes_bitwise(tiny_bert, nli_pairs, tmp_path):
     assert bitwise_equal(final_state(killed), final_state(uninterrupted))
     schedule = torch.load(killed / "step-00000020.pt", weights_only=True)["scheduler"]
     assert schedule["last_epoch"] == 20 and schedule["_last_lr"] == [0.0]  # the decay went on from step 12, to its end
-    resaved_at_1(uninterrupted / "step-00000020.pt", tmp_path / "at-1", data, precision)
+    resumed_at_1(uninterrupted / "step-00000016.pt", tmp_path / "at-1", data, precision)
+    assert_finished(run(uninterrupted, data, "none", 3, *precision, restarts=0, script="ddp_resume.py"), uninterrupted, 20)
 
 
-def resaved_at_1(checkpoint, folder, data, precision):
-    """A finished 3-process BERT checkpoint resumed at 1 process (the global batch of 12 divides): nothing
-    left to train, so the run saves what it loaded, and the weights, AdamW, the schedule (its step and
-    learning rate) and the loss scaler are the checkpoint's, tensor for tensor."""
+def resumed_at_1(checkpoint, folder, data, precision):
+    """A 3-process BERT checkpoint of step 16 resumed at 1 process (the global batch of 12 divides): before
+    its first step the one rank holds the checkpoint's weights and AdamW state, tensor for tensor, and the
+    schedule goes on from step 16 to its end at step 20 (bf16: no loss-scaler state)."""
     folder.mkdir()
     shutil.copy(checkpoint, folder)
-    assert_ran(run(folder, data, "none", 1, *precision, restarts=0, script="ddp_resume.py"),
+    assert_ran(run(folder, data, "record-loaded", 1, *precision, restarts=0, script="ddp_resume.py", record=folder),
                "written by 3 processes, continued by 1")
-    written_by_3, written_by_1 = torch.load(checkpoint, weights_only=True), torch.load(folder / checkpoint.name, weights_only=True)
-    assert (written_by_3["world_size"], written_by_1["world_size"]) == (3, 1)
-    assert same_state(*({key: value for key, value in written.items() if key not in ("world_size", "rng")}
-                        for written in (written_by_3, written_by_1)))
+    written, loaded = torch.load(checkpoint, weights_only=True), torch.load(folder / "loaded-rank0.pt", weights_only=True)
+    assert bitwise_equal(loaded["parameters"], list(written["model"].values()))
+    assert same_state(loaded["optimizer"], written["optimizer"])
+    schedule = torch.load(folder / "step-00000020.pt", weights_only=True)["scheduler"]
+    assert written["scheduler"]["last_epoch"] == 16 and schedule["last_epoch"] == 20 and schedule["_last_lr"] == [0.0]
+
+
+def assert_finished(result, folder, step):
+    """A rerun over a finished run's checkpoint: one sentence, a clean exit, no training, nothing written."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"nothing to train: the run in {folder} ended at step {step}" in result.stdout, result.stdout[-3000:]
+    assert "train time" not in result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -227,16 +238,32 @@ def test_a_world_size_the_global_batch_does_not_divide_over_is_refused(uninterru
 
 
 def test_fsdp_sharded_checkpoint_reshards_from_3_processes_to_1(fsdp_uninterrupted, tiny_mnist, tmp_path):
-    """The finished 3-process run's last sharded checkpoint, resumed at 1 process (the global batch of 33
-    divides over 1): dcp.load reads the pieces of all 3 files into the one rank, nothing is left to train,
-    and the run saves what it loaded, in one piece now: the full model and AdamW state (both moments and
-    the step of every parameter) are equal, tensor for tensor."""
+    """The 3-process run's sharded checkpoint of step 8, resumed at 1 process (the global batch of 33 divides
+    over 1): dcp.load reads the pieces of all 3 files into the one rank, which holds before its first step
+    the whole model and AdamW state (both moments and the step of every parameter), tensor for tensor, and
+    saves its next checkpoint in one piece."""
     folder = tmp_path / "at-1"
-    shutil.copytree(fsdp_uninterrupted / "step-00000012", folder / "step-00000012")
-    assert_ran(run(folder, tiny_mnist, "none", 1, restarts=0, script="mnist_fsdp_resume.py"),
-               f"resumed from {folder}/step-00000012: epoch 2, 0 samples into it, step 12", "continued by 1")
+    shutil.copytree(fsdp_uninterrupted / "step-00000008", folder / "step-00000008")
+    assert_ran(run(folder, tiny_mnist, "record-loaded", 1, restarts=0, script="mnist_fsdp_resume.py", record=folder),
+               f"resumed from {folder}/step-00000008: epoch 1, 66 samples into it, step 8", "continued by 1")
     assert sorted(path.name for path in (folder / "step-00000012").glob("*.distcp")) == ["__0_0.distcp"]
-    assert bitwise_equal(sharded_final_state(folder), sharded_final_state(fsdp_uninterrupted))
+    whole = tmp_path / "step-8.pt"
+    dcp_to_torch_save(fsdp_uninterrupted / "step-00000008", whole)
+    written, loaded = torch.load(whole, weights_only=True), torch.load(folder / "loaded-rank0.pt", weights_only=True)
+    names = list(written["model"])  # the parameters' names, in the optimizer's order
+    assert bitwise_equal(loaded["parameters"], [written["model"][name] for name in names])
+    assert all(same_state(loaded["optimizer"]["state"][index], written["optimizer"]["state"][name])
+               for index, name in enumerate(names))
+
+
+@pytest.mark.parametrize("script", ["mnist_3_ddp_resume.py", "mnist_fsdp_resume.py"])
+def test_a_rerun_of_a_finished_run_trains_nothing_and_says_so(uninterrupted, fsdp_uninterrupted, tiny_mnist, tmp_path,
+                                                              script):
+    folder = shutil.copytree(uninterrupted if script.startswith("mnist_3") else fsdp_uninterrupted, tmp_path / "copy")
+    before = files_in(folder)
+    result = run(folder, tiny_mnist, "none", 3, restarts=0, script=script)
+    assert_finished(result, folder, 12)
+    assert "pass a larger --epochs to train on" in result.stdout and files_in(folder) == before
 
 
 def test_fsdp_checkpoint_of_another_precision_is_refused_before_its_shards_load(fsdp_uninterrupted, tiny_mnist, tmp_path):

@@ -37,7 +37,17 @@ import torch.nn.functional as F
 from common.cli import add_compile_flag, add_fault_tolerance_flags, mnist_parser, per_process_batch
 from common.compile import compile_in_place
 from common.distributed import device_for, require_launcher
-from common.fault_tolerance import StepBatches, StepLog, average_gradients, check_group, quorum_errors, require_torchft, timeouts
+from common.fault_tolerance import (
+    StepBatches,
+    StepLog,
+    average_gradients,
+    check_group,
+    quorum_errors,
+    refuse_another_run,
+    require_torchft,
+    run_settings,
+    timeouts,
+)
 from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import autocast, grad_scaler, resolve_precision
 from common.samplers import ResumableDistributedSampler
@@ -112,16 +122,18 @@ def main():
     optimizer = torchft.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))  # zero_grad asks for the quorum, step commits or skips
     scaler = grad_scaler(device, precision)
     healed = []
+    max_steps = args.max_steps or args.epochs * len(train_loader)
+    settings = run_settings(args, precision, len(train_set), max_steps)  # what every group of this run shares
 
     def load_state(state):  # torchft calls it on a group that heals, with a live peer's state
+        refuse_another_run(state["run"], settings, args.group)  # a peer started with other flags: one sentence
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         healed.append(True)
 
     manager.register_state_dict_fn("training", load_state, lambda: {  # what a live peer sends
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()})
-    max_steps = args.max_steps or args.epochs * len(train_loader)
+        "run": settings, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()})
     log = StepLog(args.step_log, args.group, args.groups)
 
     print(f"group {args.group} of {args.groups} on {device.type}, {precision}, global batch {args.batch_size} = "

@@ -39,7 +39,9 @@ from common.fault_tolerance import (
     check_group,
     local_shards,
     quorum_errors,
+    refuse_another_run,
     require_torchft,
+    run_settings,
     sharded_like,
     sharded_optimizer_state,
     timeouts,
@@ -131,16 +133,18 @@ def main():
     optimizer = torchft.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))
     scaler = grad_scaler(device, precision)
     healed = []
+    max_steps = args.max_steps or args.epochs * len(train_loader)
+    settings = run_settings(args, precision, len(train_set), max_steps) | {"processes per group": launch.world_size}
 
     def load_state(state):  # this rank's pieces from the same rank of a live group, made DTensors here
+        refuse_another_run(state["run"], settings, args.group)  # a peer started with other flags: one sentence
         model.load_state_dict(sharded_like(state["model"], model.state_dict()))
         optimizer.load_state_dict(sharded_optimizer_state(state["optimizer"], list(model.parameters())))
         scaler.load_state_dict(state["scaler"])
         healed.append(True)
 
     manager.register_state_dict_fn("training", load_state, lambda: local_shards({  # plain tensors travel
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}))
-    max_steps = args.max_steps or args.epochs * len(train_loader)
+        "run": settings, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}))
     log = StepLog(args.step_log if launch.rank == 0 else None, args.group, args.groups)
 
     print0(f"group {args.group} of {args.groups}: {processes(launch.world_size)} on {device.type}, {precision}, global batch "

@@ -122,6 +122,7 @@ def main(args):
                                            "precision": precision})  # STEP: only fp16 has a loss-scaler state to resume
     state = checkpoints.load_newest()  # STEP: None on a fresh start; this rank's random state back, or reseeded at another world size
     position = Position(**state["position"]) if state else Position()  # STEP
+    checkpoints.exit_if_finished(position, position.step >= total_steps)  # STEP: a rerun of a finished run (more steps are another run)
     if state:  # STEP
         model.module.load_state_dict(state["model"])  # STEP
         optimizer.load_state_dict(state["optimizer"])  # STEP

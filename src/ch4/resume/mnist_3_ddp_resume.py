@@ -120,6 +120,7 @@ def main():
                                            "precision": precision})  # STEP: only fp16 has a loss-scaler state to resume
     state = checkpoints.load_newest()  # STEP: None on a fresh start; this rank's random state back, or reseeded at another world size
     position = Position(**state["position"]) if state else Position()  # STEP
+    checkpoints.exit_if_finished(position, position.epoch >= args.epochs, longer="a larger --epochs")  # STEP: a rerun of a finished run
     if state:  # STEP
         model.module.load_state_dict(state["model"])  # STEP
         optimizer.load_state_dict(state["optimizer"])  # STEP

@@ -125,6 +125,7 @@ def main():
                                                   "precision": precision})  # STEP: only fp16 has a loss-scaler state to resume
     state = checkpoints.load_newest(lambda: training_state(model, optimizer, scaler))  # STEP: dcp.load fills this run's dicts in place
     position = Position(**state["position"]) if state else Position()  # STEP
+    checkpoints.exit_if_finished(position, position.epoch >= args.epochs, longer="a larger --epochs")  # STEP: a rerun of a finished run
     if state:  # STEP
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])  # STEP
         scaler.load_state_dict(state["scaler"])  # STEP

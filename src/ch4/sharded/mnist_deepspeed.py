@@ -38,9 +38,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 
-from common.checkpoint import Position, rng_state, set_rng_state, write_atomically
+from common.checkpoint import Position, exit_finished, rng_state, set_rng_state, write_atomically
 from common.cli import add_checkpoint_flags, add_deepspeed_flags, mnist_parser, per_process_batch
-from common.deepspeed_config import deepspeed_config, input_dtype, refuse_another_world_size, remove_old_checkpoints, require_deepspeed
+from common.deepspeed_config import deepspeed_config, input_dtype, refuse_another_run, remove_old_checkpoints, require_deepspeed
 from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, mnist_loader
@@ -50,7 +50,7 @@ from common.samplers import DistributedEvalSampler, ResumableDistributedSampler
 deepspeed = require_deepspeed()  # import deepspeed, or one sentence on how to install it
 
 
-def train_epoch(engine, loader, device, dtype, position, args):
+def train_epoch(engine, loader, device, dtype, position, args, fingerprint):
     """One pass over this process's share of the training set; returns the mean training loss."""
     engine.train()
     loss_sum = torch.zeros((), device=device)
@@ -63,15 +63,16 @@ def train_epoch(engine, loader, device, dtype, position, args):
         loss_sum += loss.detach()
         position.advance(loader.sampler.global_batch, len(loader.dataset))  # the samples all ranks trained on
         if position.step % args.checkpoint_every == 0:
-            save_checkpoint(engine, args.checkpoint_dir, position, device)
+            save_checkpoint(engine, args.checkpoint_dir, position, device, fingerprint)
     return loss_sum.item() / len(loader)
 
 
-def save_checkpoint(engine, folder, position, device):
+def save_checkpoint(engine, folder, position, device, fingerprint):
     """The engine writes its own checkpoint, every rank its shards; client_state rides in rank 0's file (stage 3: every rank's)."""
     every_rng = [None] * dist.get_world_size()
     dist.all_gather_object(every_rng, rng_state(device))  # each rank's dropout masks go on as they would have
-    engine.save_checkpoint(folder, tag=f"step-{position.step}", client_state={"position": asdict(position), "rng": every_rng})
+    engine.save_checkpoint(folder, tag=f"step-{position.step}", client_state={"position": asdict(position), "rng": every_rng,
+                                                                            "fingerprint": fingerprint})
     if dist.get_rank() == 0:
         remove_old_checkpoints(folder)  # DeepSpeed keeps every tag
 
@@ -117,14 +118,18 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     config = deepspeed_config(args, launch.world_size, precision)  # batch sizes, stage, precision, no clipping
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)  # rank 0's weights, sharded per the stage
+    fingerprint = {"ZeRO stage": engine.zero_optimization_stage(), "precision": precision, "global batch": args.batch_size,
+                   "training images": len(train_set), "seed": args.seed}  # what must match to resume
     client_state = None
     if (Path(args.checkpoint_dir) / "latest").exists():  # DeepSpeed's file naming the newest tag
-        refuse_another_world_size(args.checkpoint_dir, launch.world_size)  # one file of shards per rank
+        refuse_another_run(args.checkpoint_dir, launch.world_size, fingerprint)  # one file of shards per rank, and these settings
         _, client_state = engine.load_checkpoint(args.checkpoint_dir)  # every rank reads its shards
     position = Position(**client_state["position"]) if client_state else Position()
     if client_state:
         set_rng_state(client_state["rng"][launch.rank], device)
         print0(f"resumed at step {position.step}: epoch {position.epoch}, {position.samples_done} samples into it")
+        if position.epoch >= args.epochs:  # a rerun of a finished run
+            exit_finished(Path(args.checkpoint_dir), position, longer="a larger --epochs")
     first_step = position.step
 
     print0(f"{processes(launch.world_size)} on {device.type}, {precision}, ZeRO stage {engine.zero_optimization_stage()}, "
@@ -133,11 +138,11 @@ def main():
     for epoch in range(position.epoch, args.epochs):
         train_sampler.set_epoch(epoch, position.samples_done)  # the same shuffle, from the global cursor on
         start = time.perf_counter()
-        loss = train_epoch(engine, train_loader, device, input_dtype(precision), position, args)
+        loss = train_epoch(engine, train_loader, device, input_dtype(precision), position, args, fingerprint)
         train_seconds += time.perf_counter() - start
         loss = sum_across_ranks(loss, device=device)[0] / launch.world_size
         print0(f"epoch {epoch}: mean training loss {loss:.4f}")
-    save_checkpoint(engine, args.checkpoint_dir, position, device)  # a later --epochs N continues from here
+    save_checkpoint(engine, args.checkpoint_dir, position, device, fingerprint)  # a later --epochs N continues from here
     final = Path(args.checkpoint_dir) / "final.pt"
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3 all-gathers; 0-2 hold them whole
         if launch.rank == 0:
