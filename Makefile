@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine with Python >= 3.10:
 #   make demo   # creates .venv if missing, installs the project, runs the MNIST ladder (single, then DDP x2)
 #   make test   # creates .venv if missing, installs the project, runs the test suite
+#   make test-durations  # the same, then the suite's time per chapter, file and test into docs/tests.md
 #   make check  # a contributor's check before each commit, a few minutes: lint, the lesson diffs, the layout,
 #               # the site (--strict) with its recordings' staleness, and the fast unit equalities
 #   make figures  # redraws every figure in images/ from the code and from real runs (figures/, a few minutes)
@@ -15,7 +16,7 @@ VENV ?= .venv
 DATA_DIR ?= data
 BIN := $(VENV)/bin
 
-.PHONY: demo test check benchmark figures gpu-check docs docs-serve docs-outputs
+.PHONY: demo test test-durations check benchmark figures gpu-check docs docs-serve docs-outputs
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +31,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest
+
+# The suite as make test runs it, then its time per chapter, per file and per test into docs/tests.md.
+test-durations: $(VENV)/.installed
+	$(BIN)/python tools/durations.py --run
 
 CHECK_TESTS := test_lint.py test_layout.py test_chapters.py test_site.py test_samplers.py test_devices.py test_bucketing.py \
 	test_accumulation.py test_allreduce.py

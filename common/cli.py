@@ -72,7 +72,8 @@ def mnist_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--loader", choices=["tensor", "classic"], default="tensor",
                         help="tensor: whole batches indexed from memory (fast); "
                              "classic: PIL + transforms per sample (the textbook path)")
-    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (classic loader)")
+    parser.add_argument("--num-workers", type=int, default=0,
+                        help="DataLoader worker processes per process; 0: the process loads its own batches (default: 0)")
     return parser
 
 
@@ -111,6 +112,14 @@ def add_checkpoint_flags(parser: argparse.ArgumentParser, folder: str, every: in
                              f"(default: {folder})")
     parser.add_argument("--checkpoint-every", type=positive_int, default=every,
                         help=f"optimizer steps between checkpoints (default: {every})")
+    return parser
+
+
+def add_augment_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The resume chapter's random augmentation, drawn in the DataLoader's workers (common/augment.py)."""
+    parser.add_argument("--augment", type=int, choices=range(8), default=0, metavar="PIXELS",
+                        help="shift each training image by up to PIXELS rows and columns at random, the same shift "
+                             "after a resume; 0 to 7, 0: no augmentation (default: 0)")
     return parser
 
 

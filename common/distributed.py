@@ -217,7 +217,9 @@ def main_process_first(local_rank: int):
 
 
 def free_port() -> int:
-    """A TCP port that nothing on this machine listens on now, for a single-machine rendezvous."""
+    """A TCP port that nothing on this machine listens on now, for a rendezvous other machines must be told of
+    before it opens (slurm/common.sh). Another process may take it before it is bound: on one machine, bind
+    port 0 and keep the socket instead, as common/spawn.py's store does."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -125,7 +125,7 @@ def mnist_loader(dataset: Dataset, batch_size: int, sampler, num_workers: int = 
 
     Each iter() of a DataLoader draws a seed for its workers from `generator`, or from the global RNG
     if there is none (even with num_workers=0), which shifts every later dropout mask."""
-    collate = dataset.collate if isinstance(dataset, MNISTTensors) else None
+    collate = getattr(dataset, "collate", None)  # MNISTTensors' batches come whole
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate,
                       num_workers=num_workers, persistent_workers=num_workers > 0, generator=generator,
                       pin_memory=pin_memory())

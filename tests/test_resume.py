@@ -1,8 +1,10 @@
 """A killed run that comes back ends bitwise equal to one that was never killed.
 
 Every run trains the tiny MNIST for 2 epochs on 3 gloo processes (6 steps per epoch, a checkpoint
-every 4), under torchrun with --max-restarts=1; tests/crash.py SIGKILLs a worker at a chosen point of
-the first attempt only, torchrun restarts the workers, and they resume from the newest checkpoint.
+every 4), with 2 DataLoader workers per process that shift the images at random (--augment), under
+torchrun with --max-restarts=1; tests/crash.py SIGKILLs a worker at a chosen point of the first attempt
+only, torchrun restarts the workers, and they resume from the newest checkpoint (their DataLoader
+workers start afresh, mid-epoch: tests/test_augment.py shows the trap that common/augment.py avoids).
 Three processes, not two: with two, every all-reduce sum is a + b == b + a, and a resumed DDP that
 reduces in other buckets than the run it continues (common/resume_buckets.py) ends bitwise equal all the
 same; with three it does not. A clean resume (a run's step-8 checkpoint copied into a new folder)
@@ -26,13 +28,15 @@ CRASH = ROOT / "tests" / "crash.py"
 RESUME = ROOT / "src" / "ch4" / "resume"
 # the fix for torchrun restarts (see common.distributed.stale_store_hint), as the README says to launch
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# 2 DataLoader workers per rank, each shifting the images at random: a resumed run's workers start afresh mid-epoch
+AUGMENTED = ["--num-workers", "2", "--augment", "2"]
 
 
 def run(folder, data, what="none", processes=3, *flags, restarts=1, script="mnist_3_ddp_resume.py", record=None):
     """2 epochs of 6 steps (MNIST: 192 images; a global batch of 33 at 1 and 3 processes, 6 batches of
     11 in a rank's 64; 32 at 2 and 4), a checkpoint every 4 steps; BERT: 2 epochs of 10 steps."""
     batch = "32" if processes in (2, 4) else "33"
-    data_flags = ["--data-dir", data, "--batch-size", batch] if script.startswith("mnist") \
+    data_flags = ["--data-dir", data, "--batch-size", batch, *AUGMENTED] if script.startswith("mnist") \
         else ["--model", data[0], "--dataset", data[1], "--batch-size", "12"]
     return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", f"--max-restarts={restarts}", CRASH, what,
                        RESUME / script, *data_flags, "--checkpoint-dir", folder, "--checkpoint-every", "4", "--epochs", "2",

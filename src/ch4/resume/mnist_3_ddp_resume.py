@@ -15,6 +15,9 @@ mnist_3_ddp.py with checkpoints a restarted job resumes from, bit for bit. What 
     random state is then reseeded: docs/resume.md), and the skipped samples are never loaded;
   - the loader gets its own random generator: iter(DataLoader) draws a seed from the global one, and
     that draw would shift every later dropout mask after a resume;
+  - with --augment, the DataLoader's workers shift each image at random, by an amount drawn from
+    (seed, epoch, index) rather than from the worker's own generator, so that a resumed run, whose
+    workers start afresh mid-epoch, shifts every image as the uninterrupted run did (common/augment.py);
   - SIGTERM or SIGUSR1 (what torchrun and SLURM send before killing a job) stops all ranks at the same
     step, after a checkpoint;
   - the trained weights go to DIR/final.pt.
@@ -37,8 +40,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from common.augment import RandomShift
 from common.checkpoint import Checkpoints, Position
-from common.cli import add_checkpoint_flags, mnist_parser, per_process_batch
+from common.cli import add_augment_flag, add_checkpoint_flags, mnist_parser, per_process_batch
 from common.distributed import backend_for, device_for, exit_if_peers_missing, print0, processes, require_launcher
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, mnist_loader
@@ -91,7 +95,7 @@ def evaluate(model, loader, device, precision):
 
 
 def main():
-    args = add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist", every=200).parse_args()  # STEP
+    args = add_augment_flag(add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist", every=200)).parse_args()  # STEP
 
     launch = require_launcher("src/ch4/resume/mnist_3_ddp_resume.py")  # STEP
     device = device_for(launch)
@@ -106,6 +110,7 @@ def main():
     torch.manual_seed(args.seed + launch.rank)
 
     train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
+    train_set = RandomShift(train_set, args.augment, seed=args.seed)  # STEP: in the workers; each sample's shift from (seed, epoch, index)
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)  # STEP: can start mid-epoch
     train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP: not the global RNG
@@ -117,7 +122,7 @@ def main():
     scaler = grad_scaler(device, precision)
     checkpoints = Checkpoints(args.checkpoint_dir, args.checkpoint_every, device=device,  # STEP: what must match to resume:
                               fingerprint={"global batch": args.batch_size, "training images": len(train_set), "seed": args.seed,  # STEP
-                                           "precision": precision})  # STEP: only fp16 has a loss-scaler state to resume
+                                           "precision": precision, "augment": args.augment})  # STEP: only fp16 has a scaler state
     state = checkpoints.load_newest()  # STEP: None on a fresh start; this rank's random state back, or reseeded at another world size
     position = Position(**state["position"]) if state else Position()  # STEP
     checkpoints.exit_if_finished(position, position.epoch >= args.epochs, longer="a larger --epochs")  # STEP: a rerun of a finished run
@@ -133,6 +138,7 @@ def main():
     train_seconds = 0.0
     for epoch in range(position.epoch, args.epochs):  # STEP
         train_sampler.set_epoch(epoch, position.samples_done)  # STEP: the same shuffle, from the global cursor on
+        train_set.set_epoch(epoch)  # STEP: the same shifts
         start = time.perf_counter()
         loss = train_epoch(model, train_loader, optimizer, scaler, device, precision, position, checkpoints, stop)  # STEP
         train_seconds += time.perf_counter() - start

@@ -11,7 +11,7 @@ the whole optimizer state, so the checkpoint is sharded too. What changes from m
   - to resume, get_state_dict builds the same dicts for this run, dcp.load fills them in place (each
     rank reads its own pieces) and set_state_dict puts them into the sharded model and AdamW;
   - the rest is mnist_3_ddp_resume.py's: the position (epoch, samples done, step), the resumable
-    sampler, the loader's own generator, SIGTERM/SIGUSR1 stopping all ranks at one step;
+    sampler, the loader's own generator, --augment's shifts, SIGTERM/SIGUSR1 stopping all ranks at one step;
   - the trained weights go to DIR/final.pt as one full state dict, gathered to rank 0's CPU
     (get_model_state_dict with full_state_dict=True, cpu_offload=True), loadable into BasicNet.
 
@@ -35,8 +35,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data.distributed import DistributedSampler
 
+from common.augment import RandomShift
 from common.checkpoint import Position
-from common.cli import add_checkpoint_flags, mnist_parser, per_process_batch
+from common.cli import add_augment_flag, add_checkpoint_flags, mnist_parser, per_process_batch
 from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, mnist_loader
@@ -91,7 +92,7 @@ def evaluate(model, loader, device, precision, unpadded):
 
 
 def main():
-    args = add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist-fsdp", every=200).parse_args()  # STEP
+    args = add_augment_flag(add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist-fsdp", every=200)).parse_args()  # STEP
 
     launch = require_launcher("src/ch4/resume/mnist_fsdp_resume.py")  # STEP
     device = device_for(launch)
@@ -106,6 +107,7 @@ def main():
     torch.manual_seed(args.seed + launch.rank)
 
     train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
+    train_set = RandomShift(train_set, args.augment, seed=args.seed)  # STEP: in the workers; each sample's shift from (seed, epoch, index)
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)  # STEP: can start mid-epoch
     train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP: not the global RNG
@@ -122,7 +124,7 @@ def main():
     scaler = grad_scaler(device, precision)
     checkpoints = ShardedCheckpoints(args.checkpoint_dir, args.checkpoint_every, device=device,  # STEP: what must match to resume:
                                      fingerprint={"global batch": args.batch_size, "training images": len(train_set), "seed": args.seed,  # STEP
-                                                  "precision": precision})  # STEP: only fp16 has a loss-scaler state to resume
+                                                  "precision": precision, "augment": args.augment})  # STEP: only fp16 has a scaler state
     state = checkpoints.load_newest(lambda: training_state(model, optimizer, scaler))  # STEP: dcp.load fills this run's dicts in place
     position = Position(**state["position"]) if state else Position()  # STEP
     checkpoints.exit_if_finished(position, position.epoch >= args.epochs, longer="a larger --epochs")  # STEP: a rerun of a finished run
@@ -136,6 +138,7 @@ def main():
     train_seconds = 0.0
     for epoch in range(position.epoch, args.epochs):  # STEP
         train_sampler.set_epoch(epoch, position.samples_done)  # STEP: the same shuffle, from the global cursor on
+        train_set.set_epoch(epoch)  # STEP: the same shifts
         start = time.perf_counter()
         loss = train_epoch(model, train_loader, optimizer, scaler, device, precision, position, checkpoints, stop)  # STEP
         train_seconds += time.perf_counter() - start
