@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -60,8 +61,10 @@ def refuse_another_run(peer: dict, ours: dict, group: int) -> None:
 
 @contextlib.contextmanager
 def quorum_errors():
-    """A lighthouse that does not answer, or a quorum that does not form in time, as one sentence each: torchft
-    raises them from the Manager's constructor and from the first step that waits for its quorum."""
+    """A lighthouse that does not answer, a quorum that does not form in time, or a step whose commit a process
+    of the group does not reach in time, as one sentence each. torchft raises the first from the Manager's
+    constructor, and the other two as the same gRPC TimeoutError ("Timeout expired"): from the quorum a step
+    waits for, or from should_commit, which waits at the group's rank 0 for every rank of the group."""
     try:
         yield
     except RuntimeError as error:
@@ -69,7 +72,11 @@ def quorum_errors():
             raise
         sys.exit(f"error: no lighthouse answered: {str(error).split(';')[0]}. Start it first (torchft_lighthouse "
                  "--min_replicas 1 --bind '[::]:29510'), or pass its address with --lighthouse.")
-    except TimeoutError:
+    except TimeoutError as error:
+        if any(frame.name == "should_commit" for frame in traceback.extract_tb(error.__traceback__)):
+            sys.exit("error: a step was not committed within --dist-timeout: a process of this group did not reach "
+                     "the end of the step in time (stopped, or slowed by a loaded machine); raise --dist-timeout "
+                     "where processes share few cores.")
         sys.exit("error: no quorum formed within --quorum-timeout: fewer groups reached the lighthouse than its "
                  "--min_replicas. Start the other groups, or the lighthouse with a smaller --min_replicas.")
 

@@ -7,6 +7,8 @@ WHAT is comma-separated:
                        training when a restarted group has started (its start takes seconds on a loaded CPU)
   slow-heal=FILE       the heal writes FILE when it starts fetching a peer's state, then waits 3 s: long enough
                        for a test to kill the group in the middle of its heal
+  late-commit=SECONDS  rank 0 of the group reaches its second step's commit SECONDS late (should_commit waits
+                       there for every rank of the group)
   skip-heal-copy       negative control: the heal loads nothing (the weights and the moments stay where they were;
                        the step still jumps to the peers')
   heal-weights-only    negative control: the heal loads the weights but not the optimizer's moments
@@ -39,6 +41,21 @@ def slow_heal(path: Path) -> None:
     HTTPTransport.recv_checkpoint = slowly
 
 
+def late_commit(seconds: float) -> None:
+    """Rank 0 of the group reaches its second step's commit `seconds` late: its other ranks wait for it there."""
+    import os
+
+    import torchft
+    commit, calls = torchft.Manager.should_commit, []
+
+    def late(self, *args, **kwargs):
+        calls.append(True)
+        if len(calls) == 2 and os.environ["RANK"] == "0":
+            time.sleep(seconds)
+        return commit(self, *args, **kwargs)
+    torchft.Manager.should_commit = late
+
+
 def load_nothing_into(*classes) -> None:
     """The rung loads a peer's state only when it heals, so these load_state_dicts are the heal's."""
     for cls in classes:
@@ -53,6 +70,8 @@ def main() -> None:
             slow_while(Path(value))
         elif name == "slow-heal":
             slow_heal(Path(value))
+        elif name == "late-commit":
+            late_commit(float(value))
         elif name == "skip-heal-copy":
             load_nothing_into(torch.nn.Module, torch.optim.Optimizer)
         elif name == "heal-weights-only":

@@ -299,6 +299,17 @@ def test_one_group_alone_trains_compiled(lighthouse, tiny_mnist, script):
     assert_ran(result, "1 of 1 groups in the quorum", f"over {TEST_IMAGES} images")
 
 
+def test_a_commit_a_rank_reaches_too_late_is_one_sentence_not_a_missing_quorum(lighthouse, tiny_mnist):
+    """A group of 2 FSDP2 processes whose rank 0 reaches its second commit 6 s late, with --dist-timeout 2: rank 1's
+    should_commit times out with the same gRPC TimeoutError as a quorum that does not form, and the sentence says
+    which (before, it said no quorum had formed)."""
+    result = run_as_user(*TORCHRUN, "--nproc_per_node=2", HOOKS, "late-commit=6", FSDP_RUNG, "--data-dir", tiny_mnist,
+                         "--lighthouse", lighthouse, "--max-steps", 4, "--batch-size", 12, "--dist-timeout", 2,
+                         "--quorum-timeout", 30, env_extra=LOCAL, timeout=120)
+    assert_one_sentence(result, "error: a step was not committed within --dist-timeout")
+    assert "no quorum formed" not in result.stderr
+
+
 def assert_one_sentence(result, *phrases):
     """A non-zero exit whose worker printed the sentence and no traceback (torchrun's agent adds its own report of
     the failed worker, which is not the script's)."""

@@ -33,6 +33,8 @@ CHECKS = {  # name: the command, run from the repository root; every module that
                     "tests/test_gather.py", "tests/test_bucketing.py", "tests/test_accumulation.py",
                     "tests/test_allreduce.py", "tests/test_zero.py", "tests/test_figures.py"],
     "resume tests": [PY, "-m", "pytest", "-n0", "-q", "-p", "no:cacheprovider", "tests/test_resume.py", "-k", "fsdp"],
+    "torchft sharded heal": [PY, "-m", "pytest", "-n0", "-q", "-p", "no:cacheprovider", "tests/test_fault_tolerant.py",
+                             "-k", "sharded_groups_heal"],
 }
 
 

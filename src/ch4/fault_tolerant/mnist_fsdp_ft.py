@@ -9,6 +9,9 @@ What changes from mnist_fsdp.py (mnist_3_ddp_ft.py explains the torchft lines):
     same pieces of the other groups in the quorum (manager.allreduce, one flat buffer);
   - the state a peer sends is this rank's pieces as plain tensors (local_shards), made DTensors again on the
     healing rank's own mesh (sharded_like): a DTensor does not travel between processes with its mesh;
+  - torchft reads that state in its quorum thread, while this rank's forward and backward run: FSDP2 then holds
+    some layers gathered whole in place of their pieces, so reading is disallowed until backward has ended
+    (disallow_state_dict_read, torchft's own lock for this);
   - a group's rank 0 writes the log and the summary, and --save gathers the full weights (full_tensor).
 
 Run from the repository root, on one machine, 2 groups of 2 processes (docs/fault_tolerant.md):
@@ -63,10 +66,12 @@ def train_steps(model, batches, optimizer, scaler, manager, device, precision, m
         images, labels = batches(step)
         images = images.to(device, memory_format=torch.channels_last, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
+        manager.disallow_state_dict_read()  # forward and backward gather layers whole in place of their pieces...
         with autocast(device, precision):
             loss = F.nll_loss(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)  # ...while the quorum starts here, and may send a healing peer our state
         scaler.scale(loss).backward()
+        manager.allow_state_dict_read()  # pieces again: the quorum's thread may read them now
         average_gradients(model, manager)  # this rank's pieces, with the same pieces of the other groups
         scaler.step(optimizer)
         scaler.update()
