@@ -24,7 +24,7 @@ from record_outputs import machine_description  # noqa: E402  (a sibling tool, n
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "tests.md"
 BEGIN, END = "<!-- durations -->", "<!-- end durations -->"
-LINE = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(tests/(test_\w+)\.py::\S+)")
+LINE = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(tests/test_\w+\.py::.+?)\s*$")  # ids may hold spaces
 REPORT = ROOT / "build" / "durations.txt"
 BUDGET = 60  # seconds one test (its phases together) may take
 CHAPTERS = {  # the page each test file proves, in the site's order; a file in none counts as the repository's
@@ -63,6 +63,12 @@ def per_test(report: str) -> dict[str, float]:
     return seconds
 
 
+def short(name: str, width: int = 90) -> str:
+    """A test's id cut to fit a table's column (parameters can be whole sentences); `|` would end the cell."""
+    name = name.replace("|", "/")
+    return name if len(name) <= width else name[:width - 1] + "…"
+
+
 def tables(seconds: dict[str, float], wall: float | None) -> str:
     files, tests_in, slowest = defaultdict(float), defaultdict(int), {}
     for test, time in seconds.items():
@@ -85,11 +91,11 @@ def tables(seconds: dict[str, float], wall: float | None) -> str:
     lines += ["", "| test file | s | tests | slowest test, s |", "|---|---:|---:|---|"]
     for name, time in sorted(files.items(), key=lambda item: -item[1]):
         test = slowest[name]
-        lines.append(f"| `{name}.py` | {time:.0f} | {tests_in[name]} | `{test.split('::')[1]}` {seconds[test]:.0f} |")
+        lines.append(f"| `{name}.py` | {time:.0f} | {tests_in[name]} | `{short(test.split('::', 1)[1])}` {seconds[test]:.0f} |")
     lines += ["", f"The 30 slowest tests (over {BUDGET} s: **over budget**):", "", "| test | s |", "|---|---:|"]
     for test, time in sorted(seconds.items(), key=lambda item: -item[1])[:30]:
         flag = " **over budget**" if time > BUDGET else ""
-        lines.append(f"| `{test.removeprefix('tests/')}`{flag} | {time:.1f} |")
+        lines.append(f"| `{short(test.removeprefix('tests/'))}`{flag} | {time:.1f} |")
     return "\n".join(lines)
 
 
