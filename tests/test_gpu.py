@@ -262,8 +262,9 @@ def resume_data(script, tiny_mnist, tiny_bert, nli_pairs, steps: int = BERT_STEP
 @pytest.mark.parametrize("script", list(RESUME_SCRIPTS))
 def test_resume_rung_on_gpu_writes_a_final_pt_a_cpu_loads(run_command, tiny_mnist, tiny_bert, nli_pairs, tmp_path,
                                                            script, processes):
-    """A run to the end, then the same command again: it resumes from the last checkpoint (loaded into the GPU
-    model and optimizer) with nothing left to train. final.pt loads with torch.load where no GPU is visible."""
+    """A run to the end, then the same command again: it loads the last checkpoint into the GPU model and
+    optimizer, finds nothing left to train, says so and exits 0. final.pt loads with torch.load where no GPU
+    is visible, before the rerun and after it."""
     kind, suffix = RESUME_SCRIPTS[script]
     folder = tmp_path / "checkpoints"
     command = [*TORCHRUN, f"--nproc_per_node={processes}", RESUME / script,
@@ -277,7 +278,8 @@ def test_resume_rung_on_gpu_writes_a_final_pt_a_cpu_loads(run_command, tiny_mnis
             [".metadata", *(f"__{rank}_0.distcp" for rank in range(processes)), "meta.pt"]
     assert_loads_on_a_cpu(run_command, folder / "final.pt", kind)
     again = run_command(*command, env_extra=ON_GPU)
-    assert_ran(again, f"resumed from {folder / f'step-00000003{suffix}'}", over)
+    assert_ran(again, f"resumed from {folder / f'step-00000003{suffix}'}",
+               f"nothing to train: the run in {folder} ended at step 3")
     assert_loads_on_a_cpu(run_command, folder / "final.pt", kind)
 
 

@@ -302,7 +302,8 @@ def tests_problem(summary: str, returncode: int) -> str | None:
 def run_gpu_tests(env: dict[str, str], timeout: int = PYTEST_TIMEOUT) -> tuple[str, str | None, str]:
     """tests/test_gpu.py on this machine's GPUs: its summary line for the page, the sentence to exit with (None
     where it passed) and the end of its output. A run past the timeout is one line, not a traceback."""
-    command = [sys.executable, "-m", "pytest", f"-n{PYTEST_WORKERS}", "--dist=load", "-q", "-rs", "tests/test_gpu.py"]
+    command = [sys.executable, "-m", "pytest", f"-n{PYTEST_WORKERS}", "--dist=load", "-q", "-rsfE", "-p", "no:benchmark",
+               "tests/test_gpu.py"]  # skips, then failures: the end of the output names what failed
     try:
         tests = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as expired:
