@@ -142,6 +142,38 @@ def test_each_page_ends_with_its_neighbours_in_the_nav(page):
 
 
 LESSONS = chapters()
+FORWARD_POINTER = re.compile(r"\blater\b|\bnext\b", re.IGNORECASE)  # "later in the course", "the next chapter"
+
+
+def forward_links(text, page, order):
+    """Links of a chapter page to a chapter after it, outside its footer, in a sentence that does not say so
+    ("later", "next"): a reader would meet what that chapter teaches before it is taught."""
+    body = re.sub(r"\n---\nPrevious: [^\n]*\n*\Z", "\n", text)
+    found = []
+    for paragraph in re.split(r"\n\s*\n", body):
+        flat = " ".join(paragraph.split())
+        for link in re.finditer(r"\]\(([\w]+\.md)(#[^)]*)?\)", flat):
+            target = link[1]
+            if target not in order or order.index(target) <= order.index(page):
+                continue
+            start = max(flat.rfind(". ", 0, link.start()), flat.rfind("\n", 0, link.start())) + 1
+            end = flat.find(". ", link.end())
+            if not FORWARD_POINTER.search(flat[start:end if end != -1 else len(flat)]):
+                found.append(f"{target}: ...{flat[max(start, link.start() - 60):link.end()]}")
+    return found
+
+
+@pytest.mark.parametrize("page", chapters())
+def test_a_chapter_points_forward_only_in_its_footer_or_as_later(page):
+    wrong = forward_links((ROOT / "docs" / page).read_text(), page, chapters())
+    assert not wrong, f"docs/{page} links to a later chapter without saying so:\n" + "\n".join(wrong)
+
+
+def test_a_plain_forward_link_is_found():
+    order = chapters()
+    planted = "Sharded state uses [HSDP](hsdp.md) here. The [Traps](traps.md), later, say more.\n"
+    assert [found.split(":")[0] for found in forward_links(planted, order[0], order)] == ["hsdp.md"]
+    assert forward_links("Back to [the ladder](mnist.md).\n", order[-1], order) == []
 
 
 @pytest.mark.parametrize("page", LESSONS)

@@ -9,11 +9,16 @@ is README.md. MkDocs serves only its docs folder, so these hooks
     (a script as highlighted source, a notebook as its cells, a folder as the list of its files), and point
     the links there, so that a link from the site never leaves it and never breaks;
   - drop the `Previous: … · Next: …` line that ends each page for GitHub readers: the site's footer is
-    generated from the nav in mkdocs.yml, which is the reading order.
+    generated from the nav in mkdocs.yml, which is the reading order;
+  - fit a Python excerpt's lines to its code block: a comment that would run past CODE_COLUMNS goes on lines
+    of its own above its code, so that a step's reason reads without scrolling.
 """
+import io
 import json
 import posixpath
 import re
+import textwrap
+import tokenize
 from pathlib import Path
 
 from mkdocs.structure.files import File, InclusionLevel
@@ -24,6 +29,12 @@ LINK = re.compile(r"(\]\()([^)\s#]+)(#[^)\s]*)?(\))")
 FOOTER = re.compile(r"\n---\nPrevious: [^\n]*\n*\Z")
 LANGUAGES = {".py": "python", ".yaml": "yaml", ".yml": "yaml", ".sh": "bash", ".sbatch": "bash", ".toml": "toml"}
 SHOWN = {*LANGUAGES, ".ipynb", ".md", ".txt"}
+# Characters a code block shows at 1,280 px, measured in headless Chromium 150 on the built site (toc.integrate
+# puts the contents into the left sidebar): 906 px inside the block, 8.18 px per character of the code font.
+CODE_COLUMNS = 110
+TRAILING_COMMENT = re.compile(r"""^((?:[^'"#]|'[^']*'|"[^"]*")*?\S)\s+(#.*)$""")  # quotes closed before the #
+PYTHON_BLOCK = re.compile(r"^(?P<opening>(?P<indent>[ \t]*)```python[^\n]*)\n(?P<body>.*?)^(?P<closing>(?P=indent)```)[ \t]*$",
+                          re.M | re.S)
 
 
 def generated_uri(target):
@@ -101,9 +112,43 @@ def on_files(files, config):
     return files
 
 
+def split_comment(line):
+    """The code of a line and its trailing comment ("" where it has none); a `#` inside a string is code."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line).readline))
+    except (tokenize.TokenError, IndentationError, SyntaxError):  # one line of a statement that spans several
+        match = TRAILING_COMMENT.match(line)
+        return (match[1], match[2]) if match else (line.rstrip(), "")
+    comment = next((token for token in tokens if token.type == tokenize.COMMENT), None)
+    if comment is None:
+        return line.rstrip(), ""
+    return line[:comment.start[1]].rstrip(), comment.string
+
+
+def fit_line(line, columns=CODE_COLUMNS):
+    """The line as the site shows it: as it is where it fits, else its comment wrapped on lines above its code."""
+    if len(line) <= columns:
+        return [line]
+    code, comment = split_comment(line)
+    if not comment:
+        return [line]  # code alone past the width: tests/test_site.py reports it
+    indent = line[:len(line) - len(line.lstrip())]
+    words = comment.removeprefix("#").strip()
+    above = textwrap.wrap(words, columns - len(indent) - 2, break_on_hyphens=False, break_long_words=False)
+    return [f"{indent}# {text}" for text in above] + ([code] if code.strip() else [])
+
+
+def fit_code_blocks(markdown, columns=CODE_COLUMNS):
+    """Every ```python block of a page with its lines fitted to the code block (fit_line)."""
+    def fit(match):
+        lines = [fitted for line in match["body"].splitlines() for fitted in fit_line(line, columns)]
+        return f"{match['opening']}\n" + "".join(f"{line}\n" for line in lines) + match["closing"]
+    return PYTHON_BLOCK.sub(fit, markdown)
+
+
 def on_page_markdown(markdown, page, config, files):
     if page.file.src_uri.startswith("repo/"):
         return markdown
     source_dir = "." if page.file.src_uri == "index.md" else "docs"
     markdown = markdown.replace("<details>", '<details markdown="1">')  # Markdown inside, as GitHub renders it
-    return rewrite_links(FOOTER.sub("\n", markdown), source_dir, ".", set())
+    return fit_code_blocks(rewrite_links(FOOTER.sub("\n", markdown), source_dir, ".", set()))
