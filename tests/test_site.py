@@ -142,6 +142,29 @@ def test_each_page_ends_with_its_neighbours_in_the_nav(page):
 
 
 LESSONS = chapters()
+ONE_SITTING = 2500  # words of a chapter's running text: what a reader finishes in one sitting
+
+
+def reading_words(text):
+    """The words a reader reads through: not the <details> blocks, the appendices, code or recorded outputs."""
+    text = re.sub(r"<details>.*?</details>", "", text, flags=re.S)
+    text = re.sub(r"<!-- record.*?<!-- end record -->", "", text, flags=re.S)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"^## Appendix.*?(?=^## |\Z)", "", text, flags=re.S | re.M)
+    return len(re.findall(r"\w[\w'’.-]*", text))
+
+
+@pytest.mark.parametrize("page", chapters())
+def test_a_chapter_reads_in_one_sitting(page):
+    words = reading_words((ROOT / "docs" / page).read_text())
+    assert words <= ONE_SITTING, f"docs/{page}: {words} words of running text; move measurements and test notes " \
+        f"into <details> or an appendix"
+
+
+def test_the_word_count_leaves_out_only_what_a_reader_may_skip():
+    text = "# T\n\nfour words of prose.\n\n<details>\nskipped words here\n</details>\n\n```bash\nls -l\n```\n"
+    assert reading_words(text) == 5
+    assert reading_words(text + "## Appendix: more\n\nnot counted\n\n## Back\n\ncounted\n") == 7
 FORWARD_POINTER = re.compile(r"\blater\b|\bnext\b", re.IGNORECASE)  # "later in the course", "the next chapter"
 
 
