@@ -2,7 +2,7 @@
 #   make demo   # creates .venv if missing, installs the project, runs the MNIST ladder (single, then DDP x2)
 #   make test   # creates .venv if missing, installs the project, runs the test suite
 #   make test-durations  # the same, then the suite's time per chapter, file and test into docs/tests.md
-#   make check  # a contributor's check before each commit, a few minutes: lint, the lesson diffs, the layout,
+#   make check  # a contributor's check before each commit, under a minute: lint, the lesson diffs, the layout,
 #               # the site (--strict) with its recordings' staleness, and the fast unit equalities
 #   make figures  # redraws every figure in images/ from the code and from real runs (figures/, a few minutes)
 #   make gpu-check  # on a machine with a GPU: tests/test_gpu.py and the GPU benchmark rows into docs/gpu_results.md
@@ -36,7 +36,7 @@ test: $(VENV)/.installed
 test-durations: $(VENV)/.installed
 	$(BIN)/python tools/durations.py --run
 
-CHECK_TESTS := test_lint.py test_layout.py test_chapters.py test_site.py test_samplers.py test_devices.py test_bucketing.py \
+CHECK_TESTS := test_lint.py test_layout.py test_chapters.py test_site.py test_screen.py test_mutations.py test_samplers.py test_devices.py test_bucketing.py \
 	test_accumulation.py test_allreduce.py
 
 check: $(VENV)/.installed
@@ -50,7 +50,7 @@ gpu-check: $(VENV)/.installed
 # installed), plus from .gpu/wheels only what it lacks (pip --no-index --no-deps into .gpu/site): tools/gpu_offline.py.
 # make gpu-wheels, on a machine with the index, downloads those wheels for the GPU machine's Python (GPU_PYTHON_VERSION):
 # datasets and the two of its needs a GPU image usually lacks, torchft with its opentelemetry packages, and
-# DeepSpeed (built from its sdist) with its needs, about 9 MB. Carry .gpu/wheels and DATA_DIR along.
+# DeepSpeed (built from its sdist) with its needs, about 10 MB. Carry .gpu/wheels and DATA_DIR along.
 GPU_PYTHON ?= python3
 GPU_PYTHON_VERSION ?= 3.12
 GPU_WHEELS ?= .gpu/wheels

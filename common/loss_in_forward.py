@@ -5,8 +5,9 @@ nn.DataParallel runs a replica per GPU and gathers what forward returns onto the
 for a language-model head it is batch x sequence x vocabulary and fills GPU 0 first. Wrapping model
 and criterion together makes each replica return its own loss: only one number per GPU travels.
 
-HuggingFace models do this themselves when given labels: model(**batch, labels=labels).loss is
-computed per replica, and DataParallel gathers the per-replica losses into a vector; take .mean().
+HuggingFace models compute the loss per replica when given labels: model(**batch, labels=labels).loss,
+gathered by DataParallel into a vector (take .mean()); but DataParallel gathers the logits they return
+beside it too, so only a wrapper that returns the loss alone saves that gather.
 Either way the mean of per-replica means equals the batch mean only when DataParallel splits the
 batch evenly; with an uneven last chunk the difference is small but real.
 """

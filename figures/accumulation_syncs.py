@@ -57,24 +57,24 @@ def draw(recording: dict, path) -> None:
     fig, ax = plt.subplots(figsize=(11, 0.9 + 0.75 * len(syncs)))
     for row, (title, micro_batches) in enumerate(syncs.items()):
         y = len(syncs) - 1 - row
-        ax.text(-0.1, y + 0.5, title, ha="right", va="center", fontsize=9)
+        ax.text(-0.1, y + 0.5, title, ha="right", va="center", fontsize=10)
         for micro in range(1, k + 1):
             count = micro_batches.count(micro)
             ax.add_patch(plt.Rectangle((micro - 1 + 0.05, y + 0.15), 0.9, 0.7, facecolor=COLORS[1] if count else "#eeeeee",
                                        edgecolor="#444444", lw=0.8))
             label = f"fwd + bwd\n{count} all-reduce{'s' if count != 1 else ''}" if count else "fwd + bwd\nlocal only"
-            ax.text(micro - 0.5, y + 0.5, label, ha="center", va="center", fontsize=7.5)
+            ax.text(micro - 0.5, y + 0.5, label, ha="center", va="center", fontsize=10)
         ax.add_patch(plt.Rectangle((k + 0.1, y + 0.15), 0.7, 0.7, facecolor=COLORS[2], alpha=0.6, edgecolor="#444444", lw=0.8))
-        ax.text(k + 0.45, y + 0.5, "optimizer\nstep", ha="center", va="center", fontsize=7.5)
-        ax.text(k + 0.95, y + 0.5, f"{len(micro_batches)} all-reduces", ha="left", va="center", fontsize=9, fontweight="bold")
+        ax.text(k + 0.45, y + 0.5, "optimizer\nstep", ha="center", va="center", fontsize=10)
+        ax.text(k + 0.95, y + 0.5, f"{len(micro_batches)} all-reduces", ha="left", va="center", fontsize=10, fontweight="bold")
     for micro in range(1, k + 1):
-        ax.text(micro - 0.5, len(syncs) + 0.1, f"micro-batch {micro}", ha="center", va="bottom", fontsize=8)
+        ax.text(micro - 0.5, len(syncs) + 0.1, f"micro-batch {micro}", ha="center", va="bottom", fontsize=10)
     ax.set_xlim(-3.3, k + 2.0)
     ax.set_ylim(-0.1, len(syncs) + 0.5)
     ax.set_axis_off()
     ax.set_title(f"Gradient accumulation over {k} micro-batches under DDP, {recording['world_size']} gloo processes, "
                  "BasicNet: bucket all-reduces counted by a DDP communication hook\n(2 buckets per synchronized backward; "
-                 "no_sync() must cover the forward pass, since DDP decides in forward whether backward syncs)", fontsize=9)
+                 "no_sync() must cover the forward pass, since DDP decides in forward whether backward syncs)", fontsize=10)
     fig.tight_layout()
     save(fig, path)
 

@@ -49,7 +49,7 @@ def draw(svg_path: Path) -> None:
     def box(start, end, y, color, label, hatch=None, text_color="white"):
         ax.add_patch(Rectangle((start, y), end - start, height, facecolor=color,
                                edgecolor=COLORS[7] if hatch else "white", hatch=hatch))
-        ax.text((start + end) / 2, y + height / 2, label, ha="center", va="center", fontsize=8.5, color=text_color)
+        ax.text((start + end) / 2, y + height / 2, label, ha="center", va="center", fontsize=9, color=text_color)
 
     box(*plan["forward"], compute_y, COLORS[7], "forward")
     for layer, (start, end) in plan["backward"].items():
@@ -64,7 +64,7 @@ def draw(svg_path: Path) -> None:
     box(*plan["optimizer"], compute_y, COLORS[2], "optimizer\nstep")
     ax.text(0, -0.3, "Backward produces gradients last layer first. A bucket's all-reduce starts as soon as its last "
             "gradient is ready,\nwhile backward goes on; only the part still running when backward ends (hatched) "
-            "delays the optimizer step.", fontsize=8.5, va="top")
+            "delays the optimizer step.", fontsize=9, va="top")
     ax.set_title("One DDP training step on one rank (every rank runs the same, in step)", fontsize=11)
     fig.tight_layout()
     save(fig, svg_path)

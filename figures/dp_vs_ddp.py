@@ -106,15 +106,15 @@ def draw(path) -> None:
         ax.add_patch(plt.Rectangle((x - 0.09, y - 0.06), 0.18, 0.12, facecolor=COLORS[index], alpha=0.9))
         ax.text(x, y, f"GPU {index}", ha="center", va="center", color="white", fontweight="bold", fontsize=9)
         if note:
-            ax.text(x, y - 0.1, note, ha="center", va="top", fontsize=7.5)
+            ax.text(x, y - 0.1, note, ha="center", va="top", fontsize=9)
 
     gpu(dp, 0.2, 0.5, 0, "the process,\nthe loss, the optimizer")
     for index, y in zip(range(1, GPUS), (0.85, 0.5, 0.15)):
         gpu(dp, 0.8, y, index)
         dp.annotate("", xy=(0.7, y + 0.02), xytext=(0.3, 0.52), arrowprops={"arrowstyle": "->", "color": "#444444"})
         dp.annotate("", xy=(0.3, 0.48), xytext=(0.7, y - 0.02), arrowprops={"arrowstyle": "->", "color": COLORS[3]})
-    dp.text(0.5, 0.98, "→ batch share, a fresh copy of the weights", ha="center", fontsize=8, color="#444444")
-    dp.text(0.5, 0.01, "← outputs, then gradients, to GPU 0", ha="center", fontsize=8, color=COLORS[3])
+    dp.text(0.5, 0.98, "→ batch share, a fresh copy of the weights", ha="center", fontsize=9, color="#444444")
+    dp.text(0.5, 0.01, "← outputs, then gradients, to GPU 0", ha="center", fontsize=9, color=COLORS[3])
     dp.set_title("DataParallel: one process; every step passes through GPU 0", fontsize=9.5)
 
     corners = [(0.25, 0.78), (0.75, 0.78), (0.75, 0.22), (0.25, 0.22)]
@@ -124,9 +124,9 @@ def draw(path) -> None:
         start = (x0 + (0.1 if x1 > x0 else -0.1 if x1 < x0 else 0), y0 + (0.07 if y1 > y0 else -0.07 if y1 < y0 else 0))
         end = (x1 - (0.1 if x1 > x0 else -0.1 if x1 < x0 else 0), y1 - (0.07 if y1 > y0 else -0.07 if y1 < y0 else 0))
         ddp.annotate("", xy=end, xytext=start, arrowprops={"arrowstyle": "->", "color": COLORS[2], "linewidth": 1.5})
-    ddp.text(0.5, 0.5, "gradient chunks\naround the ring,\nduring backward", ha="center", va="center", fontsize=8,
+    ddp.text(0.5, 0.5, "gradient chunks\naround the ring,\nduring backward", ha="center", va="center", fontsize=9,
              color=COLORS[2])
-    ddp.text(0.5, 0.01, "each GPU: its own process, data, optimizer", ha="center", fontsize=8)
+    ddp.text(0.5, 0.01, "each GPU: its own process, data, optimizer", ha="center", fontsize=9)
     ddp.set_title("DDP: one process per GPU; only gradients move", fontsize=9.5)
     fig.tight_layout()
     save(fig, path)

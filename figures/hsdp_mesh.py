@@ -38,28 +38,28 @@ def draw(svg_path: Path) -> None:
         for shard, rank in enumerate(ranks):
             x = left + shard * (width + gap)
             ax.add_patch(Rectangle((x, y), width, height, facecolor="white", edgecolor="black", linewidth=0.8))
-            ax.text(x + width / 2, y + height - 0.2, f"rank {rank}  (GPU {shard})", ha="center", va="center", fontsize=8.5)
+            ax.text(x + width / 2, y + height - 0.2, f"rank {rank}  (GPU {shard})", ha="center", va="center", fontsize=9)
             for piece in range(SHARDS):  # every layer's parameters, gradients, AdamW state: S pieces, this one held
                 held = piece == shard
                 ax.add_patch(Rectangle((x + 0.15 + piece * (width - 0.3) / SHARDS, y + 0.2), (width - 0.3) / SHARDS, 0.38,
                                        facecolor=COLORS[piece] if held else "white", edgecolor=COLORS[piece], linewidth=0.7))
-            ax.text(x + width / 2, y + 0.08, f"holds piece {shard}", ha="center", va="center", fontsize=7.5)
+            ax.text(x + width / 2, y + 0.08, f"holds piece {shard}", ha="center", va="center", fontsize=9)
             if shard:  # a link to the rank before it in the node
                 ax.add_patch(FancyArrowPatch((x - gap + 0.03, y + height / 2), (x - 0.03, y + height / 2), arrowstyle="<|-|>",
                                              mutation_scale=8, color=COLORS[0], linewidth=1.4))
         ax.text(left + SHARDS * (width + gap) + 0.15, y + height / 2, f"shard group ({SHARDS} ranks):\nall-gather parameters,\n"
-                "reduce-scatter gradients,\ninside the node (NVLink)", fontsize=8, va="center", color=COLORS[0])
+                "reduce-scatter gradients,\ninside the node (NVLink)", fontsize=9, va="center", color=COLORS[0])
     for shard in range(SHARDS):  # each column: the same piece on every node
         x = left + shard * (width + gap) + width / 2
         ax.add_patch(FancyArrowPatch((x, 0.25 + height + 0.05), (x, height + row_gap + 0.2), arrowstyle="<|-|>",
                                      mutation_scale=9, color=COLORS[3], linewidth=1.4))
     ax.text(left + SHARDS * (width + gap) + 0.15, height + row_gap / 2 + 0.25,
             f"replicate group ({REPLICAS} ranks):\nall-reduce the gradient\npiece across nodes (network)",
-            fontsize=8, va="center", color=COLORS[3])
+            fontsize=9, va="center", color=COLORS[3])
     ax.text(0.05, -0.55, f"mesh (replicate, shard) = {REPLICAS} x {SHARDS}; rank r at (r // {SHARDS}, r % {SHARDS}). Per step, "
             "for each of L wrapped layers: 2 all-gathers and 1 reduce-scatter\nin every shard group, 1 all-reduce of 1/S of the "
             "layer's gradients in every replicate group. Each rank holds 1/S of the parameters,\ngradients and AdamW state.",
-            fontsize=8.5, va="top")
+            fontsize=9, va="top")
     fig.tight_layout()
     save(fig, svg_path)
 

@@ -39,8 +39,8 @@ def draw(svg_path: Path) -> None:
         ax.add_patch(FancyBboxPatch((x, y), width, height, boxstyle="round,pad=0.02,rounding_size=0.08",
                                     facecolor=COLORS[color], edgecolor="none", alpha=0.9))
         ax.text(x + width / 2, y + height / 2, what, ha="center", va="center", fontsize=9, color="white")
-        ax.text(x + width / 2, y - 0.08, where, ha="center", va="top", fontsize=7.5, family="monospace")
-        ax.text(x + 0.06, y + height - 0.06, str(index + 1), ha="left", va="top", fontsize=7.5, color="white")
+        ax.text(x + width / 2, y - 0.08, where, ha="center", va="top", fontsize=9, family="monospace")
+        ax.text(x + 0.06, y + height - 0.06, str(index + 1), ha="left", va="top", fontsize=9, color="white")
         centers.append((x, y))
     for (x0, y0), (x1, y1) in zip(centers, centers[1:]):
         if y0 == y1:
@@ -51,7 +51,7 @@ def draw(svg_path: Path) -> None:
                                      connectionstyle="arc3,rad=0" if y0 == y1 else "angle3,angleA=0,angleB=90"))
     ax.text(0, 3.7, "From a stop signal to a resumed run. Red: the signal and the job, blue: every rank and "
             "rank 0 saving, green: the next run.\nA kill anywhere before step 5 leaves step-N.pt.tmp, which "
-            "loading skips: the checkpoint before it is resumed.", fontsize=8.5, va="top")
+            "loading skips: the checkpoint before it is resumed.", fontsize=9, va="top")
     fig.tight_layout()
     save(fig, svg_path)
 

@@ -4,7 +4,7 @@ Four processes each hold a tensor cut into 4 chunks; rank r's chunk c starts as 
 the digits of every partial sum say which ranks it already contains (2020: ranks 1 and 3). The ring
 (common.lessons.allreduce.ring_all_reduce) runs with an observer that copies each rank's chunks after every
 step; the drawing takes which chunk each rank sent and received from the same ring_schedule the
-implementation follows. Writes a static SVG (all steps side by side) and an animated GIF (one step a frame).
+implementation follows. Writes a static SVG (every step, two side by side) and an animated GIF (one step a frame).
 
     python figures/ring_allreduce.py            # images/ring_allreduce.svg and images/ring_allreduce.gif
 """
@@ -70,22 +70,22 @@ def draw_state(ax, state: dict, total: list[list[float]], title: str) -> None:
                                        edgecolor=COLORS[0] if sent else "#444444",
                                        facecolor=PHASE_COLOR[state["phase"]] if received else "white"))
             ax.text(chunk + 0.5, y + 0.52, " ".join(f"{v:g}" for v in value), ha="center", va="center",
-                    fontweight="bold" if full else "normal", fontsize=8)
+                    fontweight="bold" if full else "normal", fontsize=8.5)
             if sent:
                 bottom = y + 0.2 - (0.36 if rank == world_size - 1 else 0.2)
                 ax.annotate("", xy=(chunk + 0.5, bottom), xytext=(chunk + 0.5, y + 0.2), arrowprops=arrow)
                 if rank == world_size - 1:  # around the ring, back to rank 0
-                    ax.text(chunk + 0.58, bottom, "to rank 0", va="bottom", ha="left", fontsize=6, color=COLORS[0])
+                    ax.text(chunk + 0.58, bottom, "to rank 0", va="bottom", ha="left", fontsize=7.5, color=COLORS[0])
                     ax.annotate("", xy=(chunk + 0.5, world_size - 0.16), xytext=(chunk + 0.5, world_size + 0.16),
                                 arrowprops=arrow)
         ax.text(-0.1, y + 0.52, f"rank {rank}", ha="right", va="center")
-    ax.text(-0.1, world_size + 0.2, "chunk", ha="right", va="center", fontsize=7)
+    ax.text(-0.1, world_size + 0.2, "chunk", ha="right", va="center", fontsize=8)
     for chunk in range(world_size):
-        ax.text(chunk + 0.5, world_size + 0.2, f"{chunk}", ha="center", va="center", fontsize=7)
+        ax.text(chunk + 0.5, world_size + 0.2, f"{chunk}", ha="center", va="center", fontsize=8)
     ax.set_xlim(-1.0, world_size + 0.1)
     ax.set_ylim(-0.2, world_size + 0.4)
     ax.set_axis_off()
-    ax.set_title(title, fontsize=8)
+    ax.set_title(title, fontsize=9.5)
 
 
 def final_sums(recording: dict) -> list[list[float]]:
@@ -97,15 +97,15 @@ def draw(recording: dict, svg_path, gif_path=None) -> None:
     from matplotlib.animation import FuncAnimation, PillowWriter
     stable_svg_style()
     pictures, total = states(recording), final_sums(recording)
-    steps = recording["world_size"] - 1  # per phase
-    fig, axes = plt.subplots(2, steps + 1, figsize=(2.6 * (steps + 1), 6.4))  # a row per phase: page width
-    draw_state(axes[0][0], pictures[0], total, pictures[0]["short"])
-    axes[1][0].set_axis_off()
-    for index, state in enumerate(pictures[1:]):
-        draw_state(axes[index // steps][1 + index % steps], state, total, state["short"])
+    rows = (len(pictures) + 1) // 2  # two states side by side: legible in a 720-px column
+    fig, axes = plt.subplots(rows, 2, figsize=(7.2, 2.45 * rows + 0.9), squeeze=False)
+    for ax, state in zip(axes.flat, pictures):
+        draw_state(ax, state, total, state["short"])
+    for ax in list(axes.flat)[len(pictures):]:
+        ax.set_axis_off()
     fig.suptitle(f"Ring all-reduce of {recording['world_size']} gloo processes (common/lessons/allreduce.py), recorded.\n"
-                 "Top: reduce-scatter; bottom: all-gather. Outlined: the chunk each rank sends to the next (arrow); "
-                 "filled: the chunk it received\n(orange: added, green: copied); bold: the full sum", fontsize=9)
+                 "Reduce-scatter, then all-gather. Outlined: the chunk each rank sends to the next (arrow);\n"
+                 "filled: the chunk it received (orange: added, green: copied); bold: the full sum", fontsize=9.5)
     fig.tight_layout()
     save(fig, svg_path)
     if gif_path is not None:

@@ -26,21 +26,23 @@ ROWS = [  # name, how many of the three terms are sharded, per-rank bytes, what 
 
 
 def draw(svg_path: Path) -> None:
-    """The SVG at svg_path, and a PNG beside it for the docs."""
+    """The SVG at svg_path, and a PNG beside it for the docs: 9 inches wide, so that its smallest text is
+    about 11 px in a 720-px column."""
     stable_svg_style()
-    fig, ax = plt.subplots(figsize=(13, 7.2))
-    ax.set_xlim(0, 28.5)
-    ax.set_ylim(-0.9, len(ROWS) * 2.2 + 0.4)
+    row_h = 3.1  # drawing units per row: the ranks' three bars, then what moves, under them
+    fig, ax = plt.subplots(figsize=(9, 10.4))
+    ax.set_xlim(0, 19)
+    ax.set_ylim(-1.6, len(ROWS) * row_h + 0.5)
     ax.axis("off")
     scale, bar_h = 0.1125, 0.36  # drawing units per Ψ-byte, bar height
     for row, (name, sharded, total, moves) in enumerate(ROWS):
-        top = (len(ROWS) - row) * 2.2
-        ax.text(0.1, top - 0.8, name, fontsize=12, fontweight="bold", va="center")
-        ax.text(0.1, top - 1.5, f"{total}\nper rank", fontsize=9, va="center")
+        top = (len(ROWS) - row) * row_h
+        ax.text(0.1, top - 0.45, name, fontsize=13, fontweight="bold", va="center")
+        ax.text(0.1, top - 1.15, f"{total}\nper rank", fontsize=10.5, va="center")
         for rank in range(RANKS):
-            left = 2.6 + rank * 4.1
+            left = 2.9 + rank * 4.1
             if row == 0:
-                ax.text(left + 1.75, top + 0.15, f"rank {rank}", fontsize=10, ha="center")
+                ax.text(left + 1.8, top + 0.2, f"rank {rank}", fontsize=11, ha="center")
             for term, (label, size, color) in enumerate(TERMS):
                 y = top - 0.45 - term * (bar_h + 0.14)
                 shard_w = size * scale
@@ -48,14 +50,14 @@ def draw(svg_path: Path) -> None:
                     held = term < 3 - sharded or shard == rank  # the last `sharded` terms are cut over ranks
                     ax.add_patch(Rectangle((left + shard * shard_w, y), shard_w, bar_h, linewidth=0.6,
                                            edgecolor=color, facecolor=color if held else "white"))
-        ax.text(19.2, top - 0.8, moves, fontsize=8.5, va="center", linespacing=1.5)
+        ax.text(2.9, top - 1.75, moves, fontsize=10.5, va="top", linespacing=1.4)
     for term, (label, _, color) in enumerate(TERMS):
-        ax.add_patch(Rectangle((2.3 + term * 4.6, -0.75), 0.5, 0.3, facecolor=color, edgecolor=color))
-        ax.text(2.9 + term * 4.6, -0.6, label, fontsize=9, va="center")
-    ax.add_patch(Rectangle((16.1, -0.75), 0.5, 0.3, facecolor="white", edgecolor="black", linewidth=0.6))
-    ax.text(16.7, -0.6, "a shard this rank does not hold    Ψ parameters, fp32 AdamW, N = 4 ranks",
-            fontsize=9, va="center")
-    ax.set_title("What each rank holds, and what moves in one training step", fontsize=13)
+        ax.add_patch(Rectangle((0.1 + term * 5.6, -0.85), 0.5, 0.3, facecolor=color, edgecolor=color))
+        ax.text(0.75 + term * 5.6, -0.7, label, fontsize=10.5, va="center")
+    ax.add_patch(Rectangle((0.1, -1.45), 0.5, 0.3, facecolor="white", edgecolor="black", linewidth=0.6))
+    ax.text(0.75, -1.3, "a shard this rank does not hold;   Ψ parameters, fp32 AdamW, N = 4 ranks",
+            fontsize=10.5, va="center")
+    ax.set_title("What each rank holds, and what moves in one training step", fontsize=14)
     fig.tight_layout()
     save(fig, svg_path, svg_path.with_suffix(".png"))
 

@@ -3,6 +3,8 @@ import json
 import random
 from pathlib import Path
 
+import torch
+
 WORDS = ("a man woman child dog cat plays sleeps runs eats walks sits in on the park house street food "
          "ball is not happy sad outside inside").split()
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -12,7 +14,9 @@ def write_tiny_bert(folder: Path) -> Path:
     """A 2-layer BERT (hidden 32) with a 3-label head, and a WordPiece tokenizer saved as tokenizer.json.
 
     The tokenizer is built with the tokenizers library and saved whole: in transformers 5,
-    BertTokenizerFast(vocab_file=...) silently ignores the file and builds a 5-token vocabulary.
+    BertTokenizerFast(vocab_file=...) silently ignores the file and builds a 5-token vocabulary. The
+    weights are drawn from seed 0: a test that compares the predictions of two correct ways of computing
+    them (tests/test_nli_trainer.py) needs logits that no rounding can reorder, and so the same draw.
     """
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
@@ -29,7 +33,9 @@ def write_tiny_bert(folder: Path) -> Path:
     assert len(tokenizer) == len(vocab), f"tokenizer has {len(tokenizer)} tokens, expected {len(vocab)}"
     config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=128, num_labels=3)
-    BertForSequenceClassification(config).save_pretrained(folder)
+    with torch.random.fork_rng():  # the same weights in every session, whatever ran before in this worker
+        torch.manual_seed(0)
+        BertForSequenceClassification(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

@@ -282,3 +282,24 @@ def test_the_step_lanes_overlap_all_but_the_last_bucket():
     (first, first_start, first_end), (_, last_start, last_end) = plan["reduces"]
     assert first == (ddp_step_lanes.LAYERS, ddp_step_lanes.LAYERS - 1)
     assert first_end <= backward_end < last_end and plan["wait"] == (backward_end, last_end)
+
+
+COLUMN_PX, SMALLEST_PX = 720, 9  # a page's column, and the smallest text a reader reads there without zooming
+
+
+def smallest_text_px(svg: str, column_px: int = COLUMN_PX) -> float:
+    """The smallest font of an SVG whose text is text (svg.fonttype none), in pixels when the figure is
+    shown at the column's width."""
+    width = float(re.search(r'<svg[^>]*\swidth="([\d.]+)pt"', svg)[1])
+    return min(float(size) for size in re.findall(r"font-size: ([\d.]+)px", svg)) * column_px / width
+
+
+@pytest.mark.parametrize("svg", sorted(path.name for path in (ROOT / "images").glob("*.svg")))
+def test_every_schematic_is_legible_in_a_720_px_column(svg):
+    smallest = smallest_text_px((ROOT / "images" / svg).read_text())
+    assert smallest >= SMALLEST_PX, f"images/{svg}: its smallest text is {smallest:.1f} px in a {COLUMN_PX}-px column"
+
+
+def test_small_text_in_a_wide_figure_is_caught():
+    planted = '<svg width="936pt" height="518pt"><text style="font: 8.5px sans-serif; font-size: 8.5px">x</text></svg>'
+    assert smallest_text_px(planted) < SMALLEST_PX

@@ -6,8 +6,8 @@ and is checked by what it prints. What one GPU cannot show (NCCL between process
 threads) runs where a second GPU is visible, and skips with "needs two GPUs" elsewhere. The BERT scripts read
 their pairs with the `datasets` package (common/nli.py): without it, their tests skip and say so.
 
-The file runs top to bottom with -n0 (tools/gpu_check.py): the quick runs first, the --compile runs (inductor,
-the slow part: `-k "not compile"` leaves them out) last.
+tools/gpu_check.py runs the file with up to 8 tests at a time (pytest-xdist, --dist=load); the --compile runs
+(inductor) are the slow part: `-k "not compile"` leaves them out.
 """
 import importlib.util
 import json

@@ -39,7 +39,27 @@ def untrained_counts(tiny_bert, nli_pairs):
     return counts
 
 
+def smallest_margin(tiny_bert, nli_pairs) -> float:
+    """The smallest gap between the two largest logits of a held-out pair, with rank 0's weights: the
+    counts compared here come from other orders of the same float sums (other batches, ZeRO-3's gathered
+    weights), which move a logit by about 1e-7, and agree only where no pair is that close to a tie."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from common.nli import load_pairs, nli_loader, tokenize_pairs
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=3).eval()
+    with torch.no_grad():
+        for param, value in zip(model.parameters(), rank0_initial_weights(tiny_bert), strict=True):
+            param.copy_(value)
+        tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
+        _, eval_pairs = load_pairs(str(nli_pairs), "split", None, None)
+        batches = nli_loader(tokenize_pairs(eval_pairs, tokenizer, 128), tokenizer, 64, None)
+        top_two = torch.cat([model(**{k: v for k, v in batch.items() if k != "labels"}).logits.topk(2).values
+                             for batch in batches])
+    return (top_two[:, 0] - top_two[:, 1]).min().item()
+
+
 def test_the_trainer_counts_every_pair_once_as_ddp_py_does(untrained_counts, tiny_bert, nli_pairs):
+    assert smallest_margin(tiny_bert, nli_pairs) > 1e-4, "a held-out pair is near a tie: draw the tiny BERT otherwise"
     expected = bert_correct(tiny_bert, nli_pairs, rank0_initial_weights(tiny_bert))
     assert untrained_counts == {"ddp.py": expected, "nli_trainer.py": expected}
 

@@ -12,7 +12,7 @@ sentence. Its rows import no `datasets`; tests/test_gpu.py's BERT tests do (comm
 with it), its fault-tolerant tests import torchft and its DeepSpeed tests deepspeed, so a machine without them
 needs the wheels that `make gpu-wheels` downloads (and, for DeepSpeed, an sdist, builds) on a machine with the
 index: datasets, dill and multiprocess, torchft and its opentelemetry packages, DeepSpeed and its needs, about
-9 MB for Python 3.12 (datasets' other needs, pyarrow and
+10 MB for Python 3.12 (datasets' other needs, pyarrow and
 pandas among them, come with a usual GPU image; where one is missing, its wheel goes into .gpu/wheels too).
 """
 import argparse

@@ -23,7 +23,7 @@ LESSONS = "tests/test_lessons.py"
 PATHS = "tests/test_gpu_paths.py"
 MUTATIONS = [  # name, file, text, replacement, tests (pytest arguments)
     ("ddp-wrap", "src/ch4/mnist_3_ddp.py",
-     '    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)',
+     '    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)',
      "    model = torch.nn.DataParallel(model)", [LESSONS, "-k", "torchrun"]),  # runs, but each rank trains alone
     ("set-epoch", "src/ch4/mnist_3_ddp.py", "        train_sampler.set_epoch(epoch)", "        pass",
      [LESSONS, "-k", "torchrun"]),
@@ -45,8 +45,9 @@ MUTATIONS = [  # name, file, text, replacement, tests (pytest arguments)
      "            order[self.rank::self.num_replicas] = [order[self.rank::self.num_replicas][i] for i in "
      "torch.randperm(len(self), generator=generator).tolist()]",
      ["tests/test_samplers.py"]),
-    ("ring-wrong-chunk", "common/lessons/allreduce.py", "send, receive = (rank - step) % world_size, (rank - step - 1) % world_size",
-     "send, receive = (rank - step) % world_size, (rank - step + 1) % world_size", ["tests/test_allreduce.py"]),
+    ("ring-wrong-chunk", "common/lessons/allreduce.py",
+     'yield "reduce-scatter", step, (rank - step) % world_size, (rank - step - 1) % world_size',
+     'yield "reduce-scatter", step, (rank - step) % world_size, (rank - step + 1) % world_size', ["tests/test_allreduce.py"]),
     ("sum-without-all-reduce", "common/gather.py", "        dist.all_reduce(totals, op=dist.ReduceOp.SUM)\n", "        pass\n",
      ["tests/test_gather.py"]),
     ("shared-gpu-allowed", "common/distributed.py", "    if launch.local_world_size > count:", "    if False:",

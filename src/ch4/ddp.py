@@ -28,14 +28,22 @@ from transformers import get_linear_schedule_with_warmup
 
 from common.cli import add_compile_flag, nli_parser, per_process_batch
 from common.compile import compiled
-from common.distributed import backend_for, device_for, exit_if_peers_missing, print0, processes, require_launcher
+from common.distributed import (
+    backend_for,
+    device_for,
+    exit_if_peers_missing,
+    print0,
+    processes,
+    require_launcher,
+)
 from common.gather import sum_across_ranks
 from common.nli import load_model_and_tokenizer, load_pairs, nli_loader, to_device, tokenize_pairs
 from common.precision import autocast, grad_scaler, optimizer_step, resolve_precision
 from common.samplers import DistributedEvalSampler
 
 
-def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, max_grad_norm, steps_left, progress):
+def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, max_grad_norm,
+                steps_left, progress):
     """One pass over this process's share of the pairs, or fewer if steps_left runs out first."""
     model.train()
     loss_sum = torch.zeros((), device=device)
@@ -88,8 +96,10 @@ def main(args):
     torch.manual_seed(args.seed + launch.rank)  # STEP: own dropout masks per rank; DDP copies rank 0's weights to all
 
     model, tokenizer = load_model_and_tokenizer(args.model)
-    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples, args.max_eval_samples)
-    train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length) for pairs in (train_pairs, eval_pairs))
+    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples,
+                                         args.max_eval_samples)
+    train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length)
+                           for pairs in (train_pairs, eval_pairs))
     batch_size = per_process_batch(args.batch_size, launch.world_size)  # STEP: each rank loads 1/N of the global batch
     train_sampler = DistributedSampler(train_set, seed=args.seed)  # STEP: a disjoint 1/N of the shuffled indices
     train_loader = nli_loader(train_set, tokenizer, batch_size, train_sampler)
@@ -103,7 +113,8 @@ def main(args):
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)
     scaler = grad_scaler(device, precision)
 
-    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch "  # STEP
+           f"{args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
     progress = tqdm(total=total_steps, desc="training", disable=launch.rank != 0)  # STEP: one bar, not N
     steps_done, train_seconds = 0, 0.0
     for epoch in range(args.epochs):
@@ -114,7 +125,8 @@ def main(args):
         train_seconds += time.perf_counter() - start
         steps_done += steps
         loss = sum_across_ranks(loss, device=device)[0] / launch.world_size  # STEP: the mean over ranks, not rank 0's
-        print0(f"epoch {epoch}: mean training loss {loss:.4f}, learning rate {scheduler.get_last_lr()[0]:.3e}")
+        print0(f"epoch {epoch}: mean training loss {loss:.4f}, "
+               f"learning rate {scheduler.get_last_lr()[0]:.3e}")
     progress.close()
 
     correct, seen = evaluate(model.module, eval_loader, device, precision)  # STEP: no DDP collectives: a rank may have no batch

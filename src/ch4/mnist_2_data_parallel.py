@@ -81,7 +81,8 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 
-    print0(f"one process, DataParallel over {torch.cuda.device_count()} GPU(s), {precision}, global batch {args.batch_size}")  # STEP
+    print0(f"one process, DataParallel over {torch.cuda.device_count()} GPU(s), {precision}, "  # STEP
+           f"global batch {args.batch_size}")  # STEP
     train_seconds = 0.0
     for epoch in range(args.epochs):
         start = time.perf_counter()

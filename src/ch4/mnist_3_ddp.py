@@ -14,7 +14,8 @@ so after optimizer.step() every replica holds the same weights. What changes fro
 Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
     torchrun --nproc_per_node=2 src/ch4/mnist_3_ddp.py       # 2 processes: 2 GPUs, or 2 CPU processes
     torchrun --nproc_per_node=gpu src/ch4/mnist_3_ddp.py     # one process per visible GPU
-    torchrun --nnodes=2 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 src/ch4/mnist_3_ddp.py
+    torchrun --nnodes=2 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 \\
+        src/ch4/mnist_3_ddp.py
 On a CPU torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores.
 
 Lines marked `# STEP` are what this step changes in mnist_2_data_parallel.py.
@@ -30,7 +31,14 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common.cli import add_compile_flag, mnist_parser, per_process_batch
 from common.compile import compiled
-from common.distributed import backend_for, device_for, exit_if_peers_missing, print0, processes, require_launcher
+from common.distributed import (
+    backend_for,
+    device_for,
+    exit_if_peers_missing,
+    print0,
+    processes,
+    require_launcher,
+)
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import autocast, grad_scaler, resolve_precision
@@ -88,7 +96,8 @@ def main():
     batch_size = per_process_batch(args.batch_size, launch.world_size)  # STEP: each rank loads 1/N of the global batch
     train_sampler = DistributedSampler(train_set, seed=args.seed)  # STEP: a disjoint 1/N of the shuffled indices
     train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers)
-    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set), args.num_workers)  # STEP
+    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set),  # STEP
+                               args.num_workers)  # STEP
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
     model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)  # STEP: all-reduce gradients in backward
@@ -96,7 +105,8 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 
-    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch "  # STEP
+           f"{args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
     train_seconds = 0.0
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)  # STEP: a new shuffle each epoch, the same on every rank

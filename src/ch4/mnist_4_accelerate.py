@@ -4,14 +4,17 @@ accelerator.prepare() does what step 3 wrote by hand: it picks the device, wraps
 shards the data loaders across processes and moves batches to the device. accelerator.backward()
 replaces loss.backward() (and applies loss scaling for fp16), mixed precision comes from the launch
 config where it names fp16 or bf16 (else from --precision, auto as in steps 1-3), and
-gather_for_metrics() collects predictions from every rank and drops the samples that were repeated to give all ranks equal batches, so the accuracy is over exactly the test set.
+gather_for_metrics() collects predictions from every rank and drops the samples that were repeated to give
+all ranks equal batches, so the accuracy is over exactly the test set.
 The same file runs unchanged on one CPU, one GPU, several GPUs or several CPU processes.
 
 Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
     python src/ch4/mnist_4_accelerate.py                                          # one process
     NGPU=$(python -c 'import torch; print(torch.cuda.device_count())')           # every GPU, fp16
-    accelerate launch --config_file src/ch4/accelerate_configs/multi_gpu_fp16.yaml --num_processes $NGPU src/ch4/mnist_4_accelerate.py
-    accelerate launch --config_file src/ch4/accelerate_configs/cpu_2_processes.yaml src/ch4/mnist_4_accelerate.py
+    accelerate launch --config_file src/ch4/accelerate_configs/multi_gpu_fp16.yaml --num_processes $NGPU \\
+        src/ch4/mnist_4_accelerate.py
+    accelerate launch --config_file src/ch4/accelerate_configs/cpu_2_processes.yaml \\
+        src/ch4/mnist_4_accelerate.py
     accelerate launch --multi_gpu --num_processes 2 src/ch4/mnist_4_accelerate.py  # no config file
 Trap: `accelerate launch --cpu --num_processes 2` starts ONE process (--cpu picks the single-process
 launcher). For N CPU processes launch with --multi_gpu on a machine without GPUs (the CPU config
@@ -68,7 +71,8 @@ def main():
     args = add_compile_flag(mnist_parser(__doc__)).parse_args()
 
     # STEP: cpu=True without GPUs (else N processes would each train alone); device_for stops if GPUs are too few
-    accelerator = Accelerator(cpu=device_for(detect_launch()).type == "cpu", mixed_precision=accelerate_mixed_precision(args.precision))  # STEP
+    accelerator = Accelerator(cpu=device_for(detect_launch()).type == "cpu",  # STEP
+                              mixed_precision=accelerate_mixed_precision(args.precision))  # STEP
     device = accelerator.device  # STEP
     torch.manual_seed(args.seed + accelerator.process_index)  # STEP: own dropout masks; prepare() syncs the weights
 
@@ -80,10 +84,12 @@ def main():
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)  # STEP
+    model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader,  # STEP
+                                                                      test_loader)  # STEP
     model = compiled(model, args.compile)  # STEP: after prepare(), which wrapped the model in DDP
 
-    print0(f"{processes(accelerator.num_processes)} on {device.type}, {accelerator.mixed_precision}, global batch {args.batch_size} = {accelerator.num_processes} x {batch_size}")  # STEP
+    print0(f"{processes(accelerator.num_processes)} on {device.type}, {accelerator.mixed_precision}, "  # STEP
+           f"global batch {args.batch_size} = {accelerator.num_processes} x {batch_size}")  # STEP
     train_seconds = 0.0
     for epoch in range(args.epochs):
         start = time.perf_counter()

@@ -13,11 +13,12 @@ backward and the optimizer. What changes from step 3:
     samplers are given them explicitly;
   - exact evaluation needs use_distributed_sampler=False: by default Lightning gives the test loader a
     DistributedSampler, which pads (101 test images on 2 ranks: 102 scored, one of them twice), and
-    self.log(..., sync_dist=True) would average per-rank means. Here test_step counts, and the counts
-    are summed over ranks as in step 3.
+    self.log(..., sync_dist=True) would score and count the padding's duplicates too. Here test_step
+    counts, and the counts are summed over ranks as in step 3.
 
 Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
-    python src/ch4/mnist_5_lightning.py --devices 2          # Lightning starts 2 processes: 2 GPUs, or 2 on the CPU
+    python src/ch4/mnist_5_lightning.py --devices 2          # Lightning starts 2 processes: 2 GPUs,
+                                                             # or 2 on the CPU
     python src/ch4/mnist_5_lightning.py                      # every visible GPU, or one CPU process
     torchrun --nproc_per_node=2 src/ch4/mnist_5_lightning.py # --devices, --num-nodes: what torchrun started
     sbatch -N2 --ntasks-per-node=4 --gpus-per-node=4 slurm/srun_tasks.sbatch src/ch4/mnist_5_lightning.py
@@ -88,7 +89,8 @@ def main():
 
     check_launch(args.devices, args.num_nodes)  # one sentence where Lightning would raise or misread
     precision = lightning_precision(args.precision)  # "32-true", "bf16-mixed" or "16-mixed"
-    trainer = L.Trainer(accelerator=lightning_accelerator(), devices=args.devices, num_nodes=args.num_nodes, precision=precision,
+    trainer = L.Trainer(accelerator=lightning_accelerator(), devices=args.devices, num_nodes=args.num_nodes,
+                        precision=precision,
                         strategy=DDPStrategy(timeout=timedelta(seconds=args.dist_timeout)),  # gloo or nccl
                         use_distributed_sampler=False,  # keep our samplers: the default pads the test set
                         max_epochs=args.epochs, logger=False, enable_checkpointing=False,  # writes no files
@@ -105,7 +107,8 @@ def main():
     model = LitBasicNet(args.lr)
 
     if trainer.is_global_zero:  # print0 needs the process group, which fit() creates
-        print(f"{processes(trainer.world_size)} on {trainer.strategy.root_device.type}, {precision}, global batch {args.batch_size} = {trainer.world_size} x {batch_size}")
+        print(f"{processes(trainer.world_size)} on {trainer.strategy.root_device.type}, {precision}, "
+              f"global batch {args.batch_size} = {trainer.world_size} x {batch_size}")
     trainer.fit(model, train_loader)  # every epoch: set_epoch, the loop, DDP's all-reduce in backward
     train_seconds = model.train_seconds
 

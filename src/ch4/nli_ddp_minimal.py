@@ -21,7 +21,14 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from common.cli import nli_parser, per_process_batch
-from common.distributed import backend_for, device_for, exit_if_peers_missing, print0, processes, require_launcher
+from common.distributed import (
+    backend_for,
+    device_for,
+    exit_if_peers_missing,
+    print0,
+    processes,
+    require_launcher,
+)
 from common.gather import sum_across_ranks
 from common.nli import PairCollator, load_model_and_tokenizer, load_pairs, to_device
 from common.samplers import DistributedEvalSampler
@@ -40,18 +47,21 @@ def main(args):
     torch.manual_seed(args.seed + launch.rank)  # STEP: own dropout masks per rank; DDP copies rank 0's weights to all
 
     model, tokenizer = load_model_and_tokenizer(args.model)
-    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples, args.max_eval_samples)
+    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples,
+                                         args.max_eval_samples)
     collate = PairCollator(tokenizer, args.max_length)
     batch_size = per_process_batch(args.batch_size, launch.world_size)  # STEP: each rank loads 1/N of the global batch
     train_sampler = DistributedSampler(train_pairs, seed=args.seed)  # STEP: a disjoint 1/N of the shuffled indices
     train_loader = DataLoader(train_pairs, batch_size=batch_size, sampler=train_sampler, collate_fn=collate)
-    eval_loader = DataLoader(eval_pairs, batch_size=args.eval_batch_size, sampler=DistributedEvalSampler(eval_pairs), collate_fn=collate)  # STEP
+    eval_loader = DataLoader(eval_pairs, batch_size=args.eval_batch_size,
+                             sampler=DistributedEvalSampler(eval_pairs), collate_fn=collate)  # STEP
 
     model = model.to(device)
     model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)  # STEP: all-reduce gradients in backward
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
-    print0(f"{processes(launch.world_size)} on {device.type}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
+    print0(f"{processes(launch.world_size)} on {device.type}, global batch "  # STEP
+           f"{args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
     model.train()
     step, epoch = 0, 0
     while step < args.max_steps:
@@ -66,7 +76,8 @@ def main(args):
             optimizer.step()
             step += 1
             if step % 10 == 0:
-                print0(f"step {step}: loss {sum_across_ranks(loss.item(), device=device)[0] / launch.world_size:.4f}")  # STEP: mean over ranks
+                print0(f"step {step}: "  # STEP: mean over ranks
+                       f"loss {sum_across_ranks(loss.item(), device=device)[0] / launch.world_size:.4f}")  # STEP
             if step == args.max_steps:
                 break
         epoch += 1

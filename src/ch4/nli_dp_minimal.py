@@ -25,18 +25,21 @@ def main(args):
     torch.manual_seed(args.seed)
 
     model, tokenizer = load_model_and_tokenizer(args.model)
-    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples, args.max_eval_samples)
+    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples,
+                                         args.max_eval_samples)
     collate = PairCollator(tokenizer, args.max_length)
     batch_size = args.batch_size
     train_sampler = RandomSampler(train_pairs)
     train_loader = DataLoader(train_pairs, batch_size=batch_size, sampler=train_sampler, collate_fn=collate)
-    eval_loader = DataLoader(eval_pairs, batch_size=args.eval_batch_size, sampler=SequentialSampler(eval_pairs), collate_fn=collate)
+    eval_loader = DataLoader(eval_pairs, batch_size=args.eval_batch_size,
+                             sampler=SequentialSampler(eval_pairs), collate_fn=collate)
 
     model = model.to(device)
     model = nn.DataParallel(model)  # split each batch over all visible GPUs
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
-    print0(f"one process, DataParallel over {torch.cuda.device_count()} GPU(s), global batch {args.batch_size}")
+    print0(f"one process, DataParallel over {torch.cuda.device_count()} GPU(s), "
+           f"global batch {args.batch_size}")
     model.train()
     step, epoch = 0, 0
     while step < args.max_steps:

@@ -33,7 +33,8 @@ from common.nli import load_model_and_tokenizer, load_pairs, nli_loader, to_devi
 from common.precision import Autocast, autocast, grad_scaler, optimizer_step, resolve_precision
 
 
-def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, max_grad_norm, steps_left, progress):
+def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, max_grad_norm,
+                steps_left, progress):
     """One pass over this process's share of the pairs, or fewer if steps_left runs out first."""
     model.train()
     loss_sum = torch.zeros((), device=device)
@@ -78,8 +79,10 @@ def main(args):
     torch.manual_seed(args.seed)
 
     model, tokenizer = load_model_and_tokenizer(args.model)
-    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples, args.max_eval_samples)
-    train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length) for pairs in (train_pairs, eval_pairs))
+    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples,
+                                         args.max_eval_samples)
+    train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length)
+                           for pairs in (train_pairs, eval_pairs))
     batch_size = args.batch_size
     train_sampler = RandomSampler(train_set)
     train_loader = nli_loader(train_set, tokenizer, batch_size, train_sampler)
@@ -93,7 +96,8 @@ def main(args):
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)
     scaler = grad_scaler(device, precision)
 
-    print0(f"one process, DataParallel over {torch.cuda.device_count()} GPU(s), {precision}, global batch {args.batch_size}")
+    print0(f"one process, DataParallel over {torch.cuda.device_count()} GPU(s), {precision}, "
+           f"global batch {args.batch_size}")
     progress = tqdm(total=total_steps, desc="training")
     steps_done, train_seconds = 0, 0.0
     for epoch in range(args.epochs):
@@ -102,7 +106,8 @@ def main(args):
                                   args.max_grad_norm, total_steps - steps_done, progress)
         train_seconds += time.perf_counter() - start
         steps_done += steps
-        print0(f"epoch {epoch}: mean training loss {loss:.4f}, learning rate {scheduler.get_last_lr()[0]:.3e}")
+        print0(f"epoch {epoch}: mean training loss {loss:.4f}, "
+               f"learning rate {scheduler.get_last_lr()[0]:.3e}")
     progress.close()
 
     correct, seen = evaluate(model, eval_loader, device, precision)

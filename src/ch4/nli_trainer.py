@@ -15,9 +15,12 @@ What changes from ddp.py:
     instead of DDP, on GPUs and on the CPU alike (DeepSpeed's CPU accelerator, gloo).
 
 Run from the repository root (the defaults download bert-base-cased and MultiNLI from the hub):
-    torchrun --nproc_per_node=4 src/ch4/nli_trainer.py                    # 4 GPUs, global batch 32 = 4 x 8
-    torchrun --nproc_per_node=4 src/ch4/nli_trainer.py --deepspeed src/ch4/deepspeed_configs/zero3.json   # GPUs, ZeRO-3
-    torchrun --nproc_per_node=2 src/ch4/nli_trainer.py --model path/to/bert --dataset pairs.jsonl   # CPU: gloo
+    # 4 GPUs, global batch 32 = 4 x 8
+    torchrun --nproc_per_node=4 src/ch4/nli_trainer.py
+    # GPUs, ZeRO-3
+    torchrun --nproc_per_node=4 src/ch4/nli_trainer.py --deepspeed src/ch4/deepspeed_configs/zero3.json
+    # CPU: gloo
+    torchrun --nproc_per_node=2 src/ch4/nli_trainer.py --model path/to/bert --dataset pairs.jsonl
 
 It rewrites much of ddp.py, so its page shows it whole;
 `python tools/stepdiff.py src/ch4/ddp.py src/ch4/nli_trainer.py` shows the change.
@@ -46,8 +49,10 @@ def main(args):
     torch.manual_seed(args.seed + launch.rank)
 
     model, tokenizer = load_model_and_tokenizer(args.model)
-    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples, args.max_eval_samples)
-    train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length) for pairs in (train_pairs, eval_pairs))
+    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples,
+                                         args.max_eval_samples)
+    train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length)
+                           for pairs in (train_pairs, eval_pairs))
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     training_args = TrainingArguments(  # what ddp.py's lines did, as settings
         output_dir=args.output_dir, report_to="none", save_strategy="no", logging_strategy="no",
@@ -62,16 +67,19 @@ def main(args):
                       data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy,
                       optimizers=(optimizer, None))  # ddp.py's AdamW; the Trainer adds the linear schedule
 
-    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch "
+           f"{args.batch_size} = {launch.world_size} x {batch_size}")
     result = trainer.train()  # process group, DDP wrap, sampler, autocast, clipping, schedule, steps
     print0(f"{result.global_step} steps, rank 0's mean training loss {result.training_loss:.4f}, "
            f"learning rate {trainer.lr_scheduler.get_last_lr()[0]:.3e}")
     if trainer.is_deepspeed_enabled:
         print0(f"trained by DeepSpeed's engine, ZeRO stage {trainer.model_wrapped.zero_optimization_stage()}")
     metrics = trainer.evaluate()  # every pair once, gathered to every rank
-    print0(f"train time {result.metrics['train_runtime']:.1f} s, {result.global_step / result.metrics['train_runtime']:.2f} steps/s, "
+    print0(f"train time {result.metrics['train_runtime']:.1f} s, "
+           f"{result.global_step / result.metrics['train_runtime']:.2f} steps/s, "
            f"{result.global_step * args.batch_size / result.metrics['train_runtime']:.1f} samples/s")
-    print0(f"eval accuracy {metrics['eval_correct'] / metrics['eval_seen']:.2%} over {metrics['eval_seen']} pairs")
+    print0(f"eval accuracy {metrics['eval_correct'] / metrics['eval_seen']:.2%} "
+           f"over {metrics['eval_seen']} pairs")
     dist.destroy_process_group()
     exit_process()  # Accelerate's state holds the process group past its destruction, as FSDP2's does
 

@@ -72,7 +72,8 @@ def drift(fixed, device):
 
 def batchnorm(fixed, device):
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4)).to(device))
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8),
+                                    torch.nn.Linear(8, 4)).to(device))
     train(model, device)
     if fixed:
         for buffer in model.module.buffers():
@@ -103,7 +104,8 @@ def metric(fixed, device):
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4).to(device)
     generator = torch.Generator().manual_seed(0)
-    inputs, labels = torch.randn(101, 16, generator=generator), torch.randint(0, 4, (101,), generator=generator)
+    inputs, labels = torch.randn(101, 16, generator=generator), torch.randint(0, 4, (101,),
+                                                                              generator=generator)
     mine = slice(dist.get_rank(), None, dist.get_world_size())  # this rank's share of the test set
     with torch.no_grad():
         correct = int((model(inputs[mine].to(device)).argmax(1) == labels[mine].to(device)).sum())

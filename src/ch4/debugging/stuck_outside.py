@@ -2,7 +2,7 @@
 
 Rank 0 wraps the model in DDP (a collective: it broadcasts the weights) and then writes a file that
 the other ranks wait for before they wrap: each waits for the other, and nothing is printed until the
-timeout ends rank 0 with gloo's "Timed out waiting ... for recv", which names no rank. The stacks
+timeout ends rank 0 with gloo's "Timed out waiting ..." for a send or a receive, naming no rank. Stacks
 say who waits for what: `dump_stacks_on_hang` (common/diagnose.py) prints each rank's stacks after a
 few seconds; rank 0 is in DDP's constructor, rank 1 in `wait_for`. (`py-spy dump --pid` shows the
 same from outside.) The fix (`--fixed`): `main_process_first` lets local rank 0 write the file first,

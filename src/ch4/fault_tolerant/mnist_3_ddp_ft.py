@@ -1,4 +1,5 @@
-"""MNIST, step 3 without restarts: replica groups that lose a member, keep training, and heal it from a live peer.
+"""MNIST, step 3 without restarts: replica groups that lose a member, keep training, and heal it
+from a live peer.
 
 mnist_3_ddp.py stops when one process dies; the resume chapter starts every process again from the last
 checkpoint. Here (torchft) the job is split into replica groups, and a lighthouse forms a quorum of the live
@@ -24,7 +25,8 @@ Run from the repository root, on one machine: a lighthouse, then one torchrun pe
 Kill a group, its torchrun and its worker (pkill -KILL -f 'mnist_3_ddp_ft.py --group 1'), and start that
 group's command again: it rejoins and heals. On several machines: the lighthouse on one,
 TORCHFT_LIGHTHOUSE=http://THAT_HOST:29510 everywhere, any groups on each. Under SLURM, a lighthouse step and
-one task per group: sbatch -N3 slurm/fault_tolerant.sbatch src/ch4/fault_tolerant/mnist_3_ddp_ft.py --batch-size 96
+one task per group:
+    sbatch -N3 slurm/fault_tolerant.sbatch src/ch4/fault_tolerant/mnist_3_ddp_ft.py --batch-size 96
 
 It rewrites much of mnist_3_ddp.py, so its page shows it whole;
 `python tools/stepdiff.py src/ch4/mnist_3_ddp.py src/ch4/fault_tolerant/mnist_3_ddp_ft.py` shows the change.
@@ -74,7 +76,8 @@ def train_steps(model, batches, optimizer, scaler, manager, device, precision, m
         loss_sum += loss.detach()
         participants, heal = manager.num_participants(), bool(healed)
         if log.step(manager.current_step(), participants, manager.current_step() != step, heal):  # a new quorum, or a heal
-            print(f"group {log.group}: step {manager.current_step()}, {participants} of {log.groups} groups in the quorum"
+            print(f"group {log.group}: step {manager.current_step()}, "
+                  f"{participants} of {log.groups} groups in the quorum"
                   + (", healed from a live peer" if heal else ""), flush=True)
         healed.clear()
     return loss_sum.item() / max(log.steps_run, 1)
@@ -106,15 +109,16 @@ def main():
 
     train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
     batch_size = per_process_batch(args.batch_size, args.groups)  # each group loads 1/G of the global batch
-    train_sampler = ResumableDistributedSampler(train_set, batch_size, num_replicas=args.groups, rank=args.group,
-                                                seed=args.seed)  # this group's 1/G of the shuffle, from any batch on
+    train_sampler = ResumableDistributedSampler(train_set, batch_size, num_replicas=args.groups,
+                                                rank=args.group, seed=args.seed)  # this group's 1/G of the shuffle, from any batch on
     train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())
     test_loader = mnist_loader(test_set, args.eval_batch_size, None, args.num_workers)  # each group scores all
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
     torch.manual_seed(args.seed + 1 + args.group)  # own dropout masks per group
     manager = torchft.Manager(  # this group's seat in the quorum
-        pg=(torchft.ProcessGroupGloo if device.type == "cpu" else torchft.ProcessGroupNCCL)(timeouts(args)["timeout"]),  # across groups
+        pg=(torchft.ProcessGroupGloo if device.type == "cpu"  # across groups
+            else torchft.ProcessGroupNCCL)(timeouts(args)["timeout"]),
         load_state_dict=None, state_dict=None,  # registered below, once the optimizer is wrapped
         min_replica_size=1, replica_id=f"mnist_ft_{args.group}", lighthouse_addr=args.lighthouse,  # the lighthouse sets the minimum
         init_sync=False, **timeouts(args))  # init_sync=False: the seed made the weights equal
@@ -133,20 +137,23 @@ def main():
         healed.append(True)
 
     manager.register_state_dict_fn("training", load_state, lambda: {  # what a live peer sends
-        "run": settings, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()})
+        "run": settings, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict()})
     log = StepLog(args.step_log, args.group, args.groups)
 
-    print(f"group {args.group} of {args.groups} on {device.type}, {precision}, global batch {args.batch_size} = "
+    print(f"group {args.group} of {args.groups} on {device.type}, {precision}, "
+          f"global batch {args.batch_size} = "
           f"{args.groups} x {batch_size}, {max_steps} steps", flush=True)
     start = time.perf_counter()
-    loss = train_steps(model, StepBatches(train_loader), optimizer, scaler, manager, device, precision, max_steps, log,
-                       healed)
+    loss = train_steps(model, StepBatches(train_loader), optimizer, scaler, manager, device, precision,
+                       max_steps, log, healed)
     train_seconds = time.perf_counter() - start
     print(f"group {args.group}: mean training loss {loss:.4f} over the {log.steps_run} steps it took, "
           f"{log.heals} heal(s)", flush=True)
 
     correct, seen = evaluate(model, test_loader, device, precision)  # the model itself: no wrapper
-    print(f"group {args.group}: train time {train_seconds:.1f} s, test accuracy {correct / seen:.2%} over {seen} images")
+    print(f"group {args.group}: train time {train_seconds:.1f} s, "
+          f"test accuracy {correct / seen:.2%} over {seen} images")
     if args.save:
         torch.save(model.state_dict(), args.save)
     log.summary(args.summary, manager.current_step(), correct / seen)

@@ -1,7 +1,8 @@
 """MNIST with FSDP2 in fault-tolerant replica groups: HSDP's shape, with torchft across the replica dimension.
 
 Each replica group is mnist_fsdp.py's job: N processes (one torchrun), each holding 1/N of the model, its
-gradients and AdamW's moments. Across the groups, the replica dimension of HSDP (docs/hsdp.md), torchft takes the
+gradients and AdamW's moments. Across the groups, the replica dimension of HSDP (docs/hsdp.md),
+torchft takes the
 place of a fixed process group: a lighthouse forms a quorum of the live groups before every step, a group that
 dies drops out, and one that comes back heals from a live peer, rank r from rank r, each its own pieces.
 What changes from mnist_fsdp.py (mnist_3_ddp_ft.py explains the torchft lines):
@@ -9,7 +10,8 @@ What changes from mnist_fsdp.py (mnist_3_ddp_ft.py explains the torchft lines):
     same pieces of the other groups in the quorum (manager.allreduce, one flat buffer);
   - the state a peer sends is this rank's pieces as plain tensors (local_shards), made DTensors again on the
     healing rank's own mesh (sharded_like): a DTensor does not travel between processes with its mesh;
-  - torchft reads that state in its quorum thread, while this rank's forward and backward run: FSDP2 then holds
+  - torchft reads that state in its quorum thread, while this rank's forward and backward run:
+    FSDP2 then holds
     some layers gathered whole in place of their pieces, so reading is disallowed until backward has ended
     (disallow_state_dict_read, torchft's own lock for this);
   - a group's rank 0 writes the log and the summary, and --save gathers the full weights (full_tensor).
@@ -21,7 +23,8 @@ Run from the repository root, on one machine, 2 groups of 2 processes (docs/faul
         src/ch4/fault_tolerant/mnist_fsdp_ft.py --group $g --batch-size 64 & done
 
 It rewrites much of sharded/mnist_fsdp.py, so its page shows it whole;
-`python tools/stepdiff.py src/ch4/sharded/mnist_fsdp.py src/ch4/fault_tolerant/mnist_fsdp_ft.py` shows the change.
+`python tools/stepdiff.py src/ch4/sharded/mnist_fsdp.py src/ch4/fault_tolerant/mnist_fsdp_ft.py`
+shows the change.
 """
 import time
 from datetime import timedelta
@@ -34,7 +37,15 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common.cli import add_compile_flag, add_fault_tolerance_flags, mnist_parser, per_process_batch
 from common.compile import compile_in_place
-from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
+from common.distributed import (
+    backend_for,
+    device_for,
+    exit_if_peers_missing,
+    exit_process,
+    print0,
+    processes,
+    require_launcher,
+)
 from common.fault_tolerance import (
     StepBatches,
     StepLog,
@@ -78,7 +89,8 @@ def train_steps(model, batches, optimizer, scaler, manager, device, precision, m
         loss_sum += loss.detach()
         participants, heal = manager.num_participants(), bool(healed)
         if log.step(manager.current_step(), participants, manager.current_step() != step, heal):
-            print0(f"group {log.group}: step {manager.current_step()}, {participants} of {log.groups} groups in the quorum"
+            print0(f"group {log.group}: step {manager.current_step()}, "
+                   f"{participants} of {log.groups} groups in the quorum"
                    + (", healed from a live peer" if heal else ""))
         healed.clear()
     return loss_sum.item() / max(log.steps_run, 1)
@@ -118,10 +130,12 @@ def main():
 
     train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
     batch_size = per_process_batch(args.batch_size, args.groups * launch.world_size)  # G groups of N
-    train_sampler = ResumableDistributedSampler(train_set, batch_size, num_replicas=args.groups * launch.world_size,
-                                                rank=args.group * launch.world_size + launch.rank, seed=args.seed)
+    train_sampler = ResumableDistributedSampler(
+        train_set, batch_size, num_replicas=args.groups * launch.world_size,
+        rank=args.group * launch.world_size + launch.rank, seed=args.seed)
     train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())
-    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)
+    test_loader = mnist_loader(test_set, args.eval_batch_size,
+                               DistributedSampler(test_set, shuffle=False), args.num_workers)
     unpadded = len(DistributedEvalSampler(test_set))
 
     model = BasicNet().to(device)
@@ -132,14 +146,16 @@ def main():
         compile_in_place(layer, args.compile)
     fully_shard(model)
     manager = torchft.Manager(  # one per rank; rank 0's speaks to the lighthouse for the group
-        pg=(torchft.ProcessGroupGloo if device.type == "cpu" else torchft.ProcessGroupNCCL)(timeouts(args)["timeout"]),  # rank r of each group
+        pg=(torchft.ProcessGroupGloo if device.type == "cpu"  # rank r of each group
+            else torchft.ProcessGroupNCCL)(timeouts(args)["timeout"]),
         load_state_dict=None, state_dict=None, min_replica_size=1, replica_id=f"mnist_fsdp_ft_{args.group}",
         lighthouse_addr=args.lighthouse, init_sync=False, **timeouts(args))
     optimizer = torchft.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))
     scaler = grad_scaler(device, precision)
     healed = []
     max_steps = args.max_steps or args.epochs * len(train_loader)
-    settings = run_settings(args, precision, len(train_set), max_steps) | {"processes per group": launch.world_size}
+    settings = run_settings(args, precision, len(train_set), max_steps) | {
+        "processes per group": launch.world_size}
 
     def load_state(state):  # this rank's pieces from the same rank of a live group, made DTensors here
         refuse_another_run(state["run"], settings, args.group)  # a peer started with other flags: one sentence
@@ -149,21 +165,24 @@ def main():
         healed.append(True)
 
     manager.register_state_dict_fn("training", load_state, lambda: local_shards({  # plain tensors travel
-        "run": settings, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}))
+        "run": settings, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict()}))
     log = StepLog(args.step_log if launch.rank == 0 else None, args.group, args.groups)
 
-    print0(f"group {args.group} of {args.groups}: {processes(launch.world_size)} on {device.type}, {precision}, global batch "
+    print0(f"group {args.group} of {args.groups}: {processes(launch.world_size)} on {device.type}, "
+           f"{precision}, global batch "
            f"{args.batch_size} = {args.groups} x {launch.world_size} x {batch_size}, {max_steps} steps")
     start = time.perf_counter()
-    loss = train_steps(model, StepBatches(train_loader), optimizer, scaler, manager, device, precision, max_steps, log,
-                       healed)
+    loss = train_steps(model, StepBatches(train_loader), optimizer, scaler, manager, device, precision,
+                       max_steps, log, healed)
     train_seconds = time.perf_counter() - start
     print0(f"group {args.group}: mean training loss {loss:.4f} over the {log.steps_run} steps it took, "
            f"{log.heals} heal(s)")
 
     correct, seen = evaluate(model, test_loader, device, precision, unpadded)
     correct, seen = sum_across_ranks(correct, seen, device=device)
-    print0(f"group {args.group}: train time {train_seconds:.1f} s, test accuracy {correct / seen:.2%} over {seen} images")
+    print0(f"group {args.group}: train time {train_seconds:.1f} s, "
+           f"test accuracy {correct / seen:.2%} over {seen} images")
     weights = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}  # gathered on every rank
     if args.save and launch.rank == 0:
         torch.save(weights, args.save)

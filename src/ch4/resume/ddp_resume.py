@@ -1,4 +1,5 @@
-"""MultiNLI with BERT, full DDP version made restartable: killed, restarted, and bitwise where it would have been.
+"""MultiNLI with BERT, full DDP version made restartable: killed, restarted, and bitwise where it
+would have been.
 
 ddp.py with the checkpoints of mnist_3_ddp_resume.py (read that one first: the same lesson on a
 smaller model). What a BERT run adds: the learning-rate schedule is part of the state (a resumed
@@ -11,8 +12,10 @@ another world size too); SIGTERM/SIGUSR1 stop all ranks at one step after a chec
 weights go to DIR/final.pt.
 
 Run from the repository root; a rerun of the same command resumes from the newest checkpoint:
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=4 --max-restarts=3 src/ch4/resume/ddp_resume.py --checkpoint-dir checkpoints/bert
-    sbatch -N2 --gpus-per-node=4 slurm/requeue.sbatch src/ch4/resume/ddp_resume.py --checkpoint-dir checkpoints/bert
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=4 --max-restarts=3 \\
+        src/ch4/resume/ddp_resume.py --checkpoint-dir checkpoints/bert
+    sbatch -N2 --gpus-per-node=4 slurm/requeue.sbatch src/ch4/resume/ddp_resume.py \\
+        --checkpoint-dir checkpoints/bert
 (Why the variable: docs/resume.md.)
 
 Lines marked `# STEP` are what this step changes in ddp.py.
@@ -29,7 +32,14 @@ from transformers import get_linear_schedule_with_warmup
 
 from common.checkpoint import Checkpoints, Position
 from common.cli import add_checkpoint_flags, nli_parser, per_process_batch
-from common.distributed import backend_for, device_for, exit_if_peers_missing, print0, processes, require_launcher
+from common.distributed import (
+    backend_for,
+    device_for,
+    exit_if_peers_missing,
+    print0,
+    processes,
+    require_launcher,
+)
 from common.gather import sum_across_ranks
 from common.nli import load_model_and_tokenizer, load_pairs, nli_loader, to_device, tokenize_pairs
 from common.precision import autocast, grad_scaler, optimizer_step, resolve_precision
@@ -38,7 +48,8 @@ from common.samplers import DistributedEvalSampler, ResumableDistributedSampler
 from common.stop_signal import StopSignal
 
 
-def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, max_grad_norm, steps_left, progress,  # STEP
+def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision,  # STEP
+                max_grad_norm, steps_left, progress,  # STEP
                 position, checkpoints, stop):  # STEP
     """One pass over this process's share of the pairs, or fewer if steps_left runs out first."""
     model.train()
@@ -103,8 +114,10 @@ def main(args):
     torch.manual_seed(args.seed + launch.rank)
 
     model, tokenizer = load_model_and_tokenizer(args.model)
-    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples, args.max_eval_samples)
-    train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length) for pairs in (train_pairs, eval_pairs))
+    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples,
+                                         args.max_eval_samples)
+    train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length)
+                           for pairs in (train_pairs, eval_pairs))
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)  # STEP: can start mid-epoch
     train_loader = nli_loader(train_set, tokenizer, batch_size, train_sampler, torch.Generator())  # STEP: not the global RNG
@@ -128,21 +141,25 @@ def main(args):
         optimizer.load_state_dict(state["optimizer"])  # STEP
         scheduler.load_state_dict(state["scheduler"])  # STEP: the schedule goes on from its step
         scaler.load_state_dict(state["scaler"])  # STEP
-        rebuild_buckets(model, autocast(device, precision), input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))  # STEP: the first run's buckets
+        rebuild_buckets(model, autocast(device, precision),  # STEP: the first run's buckets
+                        input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))  # STEP
     stop = StopSignal()  # STEP: SIGTERM and SIGUSR1 only set a flag
 
-    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch "
+           f"{args.batch_size} = {launch.world_size} x {batch_size}")
     progress = tqdm(total=total_steps, initial=position.step, desc="training", disable=launch.rank != 0)  # STEP
     steps_done, train_seconds = 0, 0.0
     for epoch in range(position.epoch, args.epochs):  # STEP
         train_sampler.set_epoch(epoch, position.samples_done)  # STEP: the same shuffle, from the global cursor on
         start = time.perf_counter()
         loss, steps = train_epoch(model, train_loader, optimizer, scheduler, scaler, device, precision,
-                                  args.max_grad_norm, total_steps - position.step, progress, position, checkpoints, stop)  # STEP
+                                  args.max_grad_norm, total_steps - position.step, progress,  # STEP
+                                  position, checkpoints, stop)  # STEP
         train_seconds += time.perf_counter() - start
         steps_done += steps
         loss = sum_across_ranks(loss, device=device)[0] / launch.world_size
-        print0(f"epoch {epoch}: mean training loss {loss:.4f}, learning rate {scheduler.get_last_lr()[0]:.3e}")
+        print0(f"epoch {epoch}: mean training loss {loss:.4f}, "
+               f"learning rate {scheduler.get_last_lr()[0]:.3e}")
     progress.close()
     checkpoints.save(position, training_state(model, optimizer, scheduler, scaler))  # STEP: the end, for a rerun to find
     print0(f"final weights in {checkpoints.save_final(model.module.state_dict())}")  # STEP

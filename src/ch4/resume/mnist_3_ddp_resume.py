@@ -23,7 +23,8 @@ mnist_3_ddp.py with checkpoints a restarted job resumes from, bit for bit. What 
   - the trained weights go to DIR/final.pt.
 
 Run from the repository root; a rerun of the same command resumes from the newest checkpoint:
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 src/ch4/resume/mnist_3_ddp_resume.py --checkpoint-dir checkpoints/mnist
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 \\
+        src/ch4/resume/mnist_3_ddp_resume.py --checkpoint-dir checkpoints/mnist
 With --max-restarts torchrun restarts all workers when one dies, and they resume from the checkpoint;
 the variable gives each restart a fresh rendezvous store (docs/resume.md). Rerun with another
 --nproc_per_node and the run continues at that world size, with the same global batch.
@@ -43,7 +44,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.augment import RandomShift
 from common.checkpoint import Checkpoints, Position
 from common.cli import add_augment_flag, add_checkpoint_flags, mnist_parser, per_process_batch
-from common.distributed import backend_for, device_for, exit_if_peers_missing, print0, processes, require_launcher
+from common.distributed import (
+    backend_for,
+    device_for,
+    exit_if_peers_missing,
+    print0,
+    processes,
+    require_launcher,
+)
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import autocast, grad_scaler, resolve_precision
@@ -76,7 +84,8 @@ def train_epoch(model, loader, optimizer, scaler, device, precision, position, c
 
 def training_state(model, optimizer, scaler) -> dict:  # STEP
     """What a checkpoint holds besides the position and each rank's random state."""  # STEP
-    return {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}  # STEP
+    return {"model": model.module.state_dict(),  # STEP
+            "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}  # STEP
 
 
 @torch.no_grad()
@@ -95,7 +104,8 @@ def evaluate(model, loader, device, precision):
 
 
 def main():
-    args = add_augment_flag(add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist", every=200)).parse_args()  # STEP
+    args = add_augment_flag(add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist",  # STEP
+                                                 every=200)).parse_args()  # STEP
 
     launch = require_launcher("src/ch4/resume/mnist_3_ddp_resume.py")  # STEP
     device = device_for(launch)
@@ -114,14 +124,16 @@ def main():
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)  # STEP: can start mid-epoch
     train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP: not the global RNG
-    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set), args.num_workers)
+    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set),
+                               args.num_workers)
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
     model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
     checkpoints = Checkpoints(args.checkpoint_dir, args.checkpoint_every, device=device,  # STEP: what must match to resume:
-                              fingerprint={"global batch": args.batch_size, "training images": len(train_set), "seed": args.seed,  # STEP
+                              fingerprint={"global batch": args.batch_size,  # STEP
+                                           "training images": len(train_set), "seed": args.seed,  # STEP
                                            "precision": precision, "augment": args.augment})  # STEP: only fp16 has a scaler state
     state = checkpoints.load_newest()  # STEP: None on a fresh start; this rank's random state back, or reseeded at another world size
     position = Position(**state["position"]) if state else Position()  # STEP
@@ -134,13 +146,15 @@ def main():
     stop = StopSignal()  # STEP: SIGTERM and SIGUSR1 only set a flag
     first_step = position.step  # STEP
 
-    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch "
+           f"{args.batch_size} = {launch.world_size} x {batch_size}")
     train_seconds = 0.0
     for epoch in range(position.epoch, args.epochs):  # STEP
         train_sampler.set_epoch(epoch, position.samples_done)  # STEP: the same shuffle, from the global cursor on
         train_set.set_epoch(epoch)  # STEP: the same shifts
         start = time.perf_counter()
-        loss = train_epoch(model, train_loader, optimizer, scaler, device, precision, position, checkpoints, stop)  # STEP
+        loss = train_epoch(model, train_loader, optimizer, scaler, device, precision,  # STEP
+                           position, checkpoints, stop)  # STEP
         train_seconds += time.perf_counter() - start
         loss = sum_across_ranks(loss, device=device)[0] / launch.world_size
         print0(f"epoch {epoch}: mean training loss {loss:.4f}")
@@ -149,7 +163,8 @@ def main():
 
     correct, seen = evaluate(model.module, test_loader, device, precision)
     correct, seen = sum_across_ranks(correct, seen, device=device)
-    print0(f"train time {train_seconds:.1f} s, {(position.step - first_step) * args.batch_size / max(train_seconds, 1e-9):.0f} samples/s")  # STEP: this run's
+    print0(f"train time {train_seconds:.1f} s, "  # STEP: this run's
+           f"{(position.step - first_step) * args.batch_size / max(train_seconds, 1e-9):.0f} samples/s")  # STEP
     print0(f"test accuracy {correct / seen:.2%} over {seen} images")
     dist.destroy_process_group()
 

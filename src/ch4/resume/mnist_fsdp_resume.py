@@ -1,4 +1,5 @@
-"""MNIST with FSDP2 made restartable: sharded checkpoints, written by every rank with torch.distributed.checkpoint.
+"""MNIST with FSDP2 made restartable: sharded checkpoints, written by every rank with
+torch.distributed.checkpoint.
 
 mnist_3_ddp_resume.py is the resume lesson for DDP, where every rank holds the whole model and rank 0
 writes one file with model.module.state_dict(). Under fully_shard no rank holds the whole model or
@@ -16,8 +17,10 @@ the whole optimizer state, so the checkpoint is sharded too. What changes from m
     (get_model_state_dict with full_state_dict=True, cpu_offload=True), loadable into BasicNet.
 
 Run from the repository root; a rerun of the same command resumes from the newest checkpoint:
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 src/ch4/resume/mnist_fsdp_resume.py --checkpoint-dir checkpoints/mnist-fsdp
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=gpu --max-restarts=3 src/ch4/resume/mnist_fsdp_resume.py --checkpoint-dir checkpoints/mnist-fsdp
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 \\
+        src/ch4/resume/mnist_fsdp_resume.py --checkpoint-dir checkpoints/mnist-fsdp
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=gpu --max-restarts=3 \\
+        src/ch4/resume/mnist_fsdp_resume.py --checkpoint-dir checkpoints/mnist-fsdp
 With --max-restarts torchrun restarts all workers when one dies, and they resume from the checkpoint
 (docs/resume.md, "Sharded checkpoints (FSDP2)"). Rerun with another --nproc_per_node and dcp.load
 reshards the pieces to the new world size (docs/resume.md).
@@ -31,14 +34,27 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data.distributed import DistributedSampler
 
 from common.augment import RandomShift
 from common.checkpoint import Position
 from common.cli import add_augment_flag, add_checkpoint_flags, mnist_parser, per_process_batch
-from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
+from common.distributed import (
+    backend_for,
+    device_for,
+    exit_if_peers_missing,
+    exit_process,
+    print0,
+    processes,
+    require_launcher,
+)
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import autocast, grad_scaler, resolve_precision
@@ -92,7 +108,8 @@ def evaluate(model, loader, device, precision, unpadded):
 
 
 def main():
-    args = add_augment_flag(add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist-fsdp", every=200)).parse_args()  # STEP
+    args = add_augment_flag(add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist-fsdp",  # STEP
+                                                 every=200)).parse_args()  # STEP
 
     launch = require_launcher("src/ch4/resume/mnist_fsdp_resume.py")  # STEP
     device = device_for(launch)
@@ -111,7 +128,8 @@ def main():
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)  # STEP: can start mid-epoch
     train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP: not the global RNG
-    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)
+    test_loader = mnist_loader(test_set, args.eval_batch_size,
+                               DistributedSampler(test_set, shuffle=False), args.num_workers)
     unpadded = len(DistributedEvalSampler(test_set))
 
     model = BasicNet().to(device)
@@ -123,7 +141,8 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
     checkpoints = ShardedCheckpoints(args.checkpoint_dir, args.checkpoint_every, device=device,  # STEP: what must match to resume:
-                                     fingerprint={"global batch": args.batch_size, "training images": len(train_set), "seed": args.seed,  # STEP
+                                     fingerprint={"global batch": args.batch_size,  # STEP
+                                                  "training images": len(train_set), "seed": args.seed,  # STEP
                                                   "precision": precision, "augment": args.augment})  # STEP: only fp16 has a scaler state
     state = checkpoints.load_newest(lambda: training_state(model, optimizer, scaler))  # STEP: dcp.load fills this run's dicts in place
     position = Position(**state["position"]) if state else Position()  # STEP
@@ -134,23 +153,27 @@ def main():
     stop = StopSignal()  # STEP: SIGTERM and SIGUSR1 only set a flag
     first_step = position.step  # STEP
 
-    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch "
+           f"{args.batch_size} = {launch.world_size} x {batch_size}")
     train_seconds = 0.0
     for epoch in range(position.epoch, args.epochs):  # STEP
         train_sampler.set_epoch(epoch, position.samples_done)  # STEP: the same shuffle, from the global cursor on
         train_set.set_epoch(epoch)  # STEP: the same shifts
         start = time.perf_counter()
-        loss = train_epoch(model, train_loader, optimizer, scaler, device, precision, position, checkpoints, stop)  # STEP
+        loss = train_epoch(model, train_loader, optimizer, scaler, device, precision,  # STEP
+                           position, checkpoints, stop)  # STEP
         train_seconds += time.perf_counter() - start
         loss = sum_across_ranks(loss, device=device)[0] / launch.world_size
         print0(f"epoch {epoch}: mean training loss {loss:.4f}")
     checkpoints.save(position, training_state(model, optimizer, scaler))  # STEP: a later --epochs N continues from here
-    full_weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # STEP: on rank 0's CPU, {} elsewhere
+    full_weights = get_model_state_dict(model,  # STEP: on rank 0's CPU, {} elsewhere
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # STEP
     print0(f"final weights in {checkpoints.save_final(full_weights)}")  # STEP
 
     correct, seen = evaluate(model, test_loader, device, precision, unpadded)
     correct, seen = sum_across_ranks(correct, seen, device=device)
-    print0(f"train time {train_seconds:.1f} s, {(position.step - first_step) * args.batch_size / max(train_seconds, 1e-9):.0f} samples/s")  # STEP: this run's
+    print0(f"train time {train_seconds:.1f} s, "  # STEP: this run's
+           f"{(position.step - first_step) * args.batch_size / max(train_seconds, 1e-9):.0f} samples/s")  # STEP
     print0(f"test accuracy {correct / seen:.2%} over {seen} images")
     dist.destroy_process_group()
     exit_process()

@@ -14,8 +14,10 @@ The script counts the bytes of every tensor each rank hands to all_reduce while 
 
 Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
     torchrun --nproc_per_node=2 src/ch4/scale_out/mnist_comm_hooks.py --comm-hook powersgd --powersgd-rank 4
-    torchrun --nproc_per_node=gpu src/ch4/scale_out/mnist_comm_hooks.py --comm-hook bf16    # one process per GPU
-    torchrun --nnodes=2 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 src/ch4/scale_out/mnist_comm_hooks.py --comm-hook powersgd
+    # one process per GPU
+    torchrun --nproc_per_node=gpu src/ch4/scale_out/mnist_comm_hooks.py --comm-hook bf16
+    torchrun --nnodes=2 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 \\
+        src/ch4/scale_out/mnist_comm_hooks.py --comm-hook powersgd
 On a CPU torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores.
 
 Lines marked `# STEP` are what this step changes in mnist_3_ddp.py.
@@ -31,7 +33,14 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common.cli import add_comm_hook_flags, add_compile_flag, mnist_parser, per_process_batch
 from common.compile import compiled
-from common.distributed import backend_for, device_for, exit_if_peers_missing, print0, processes, require_launcher
+from common.distributed import (
+    backend_for,
+    device_for,
+    exit_if_peers_missing,
+    print0,
+    processes,
+    require_launcher,
+)
 from common.gather import sum_across_ranks
 from common.lessons.comm_hooks import AllReduceCounter, bucket_cap_mb, bytes_report, register_comm_hook
 from common.mnist import BasicNet, load_mnist, mnist_loader
@@ -90,7 +99,8 @@ def main():
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = DistributedSampler(train_set, seed=args.seed)
     train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers)
-    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set), args.num_workers)
+    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set),
+                               args.num_workers)
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
     model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None,  # STEP
@@ -100,8 +110,10 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 
-    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}, "  # STEP
-           f"comm hook {args.comm_hook}" + (f", rank {args.powersgd_rank}" if args.comm_hook == "powersgd" else ""))  # STEP
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, "  # STEP
+           f"global batch {args.batch_size} = {launch.world_size} x {batch_size}, "  # STEP
+           f"comm hook {args.comm_hook}" + (f", rank {args.powersgd_rank}"  # STEP
+                                            if args.comm_hook == "powersgd" else ""))  # STEP
     sent = AllReduceCounter()  # STEP: adds up the tensors this rank hands to all_reduce
     train_seconds = 0.0
     for epoch in range(args.epochs):

@@ -13,10 +13,14 @@ No DDP wrapper: nothing is reduced in backward. Rank 0's weights are broadcast f
 constructor does, and the script counts what each rank hands to all_reduce (as mnist_comm_hooks.py).
 
 Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
-    torchrun --nproc_per_node=2 src/ch4/scale_out/mnist_diloco.py --sync-every 8                       # DiLoCo
-    torchrun --nproc_per_node=2 src/ch4/scale_out/mnist_diloco.py --outer-lr 1 --outer-momentum 0      # local SGD
-    torchrun --nproc_per_node=gpu src/ch4/scale_out/mnist_diloco.py                                    # one process per GPU
-    torchrun --nnodes=2 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 src/ch4/scale_out/mnist_diloco.py --sync-every 32
+    # DiLoCo
+    torchrun --nproc_per_node=2 src/ch4/scale_out/mnist_diloco.py --sync-every 8
+    # local SGD
+    torchrun --nproc_per_node=2 src/ch4/scale_out/mnist_diloco.py --outer-lr 1 --outer-momentum 0
+    # one process per GPU
+    torchrun --nproc_per_node=gpu src/ch4/scale_out/mnist_diloco.py
+    torchrun --nnodes=2 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 \\
+        src/ch4/scale_out/mnist_diloco.py --sync-every 32
 On a CPU torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores.
 
 Lines marked `# STEP` are what this step changes in mnist_3_ddp.py.
@@ -31,7 +35,14 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common.cli import add_compile_flag, add_local_sgd_flags, mnist_parser, per_process_batch
 from common.compile import compiled
-from common.distributed import backend_for, device_for, exit_if_peers_missing, print0, processes, require_launcher
+from common.distributed import (
+    backend_for,
+    device_for,
+    exit_if_peers_missing,
+    print0,
+    processes,
+    require_launcher,
+)
 from common.gather import sum_across_ranks
 from common.lessons.comm_hooks import AllReduceCounter, bytes_report
 from common.lessons.local_sgd import OuterOptimizer
@@ -93,7 +104,8 @@ def main():
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = DistributedSampler(train_set, seed=args.seed)
     train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers)
-    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set), args.num_workers)
+    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set),
+                               args.num_workers)
 
     model = BasicNet().to(device, memory_format=torch.channels_last)
     outer = OuterOptimizer(model, args.sync_every, args.outer_lr, args.outer_momentum)  # STEP: broadcasts rank 0's weights
@@ -101,8 +113,10 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 
-    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}, "  # STEP
-           f"synchronised every {args.sync_every} steps by outer SGD, lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}")  # STEP
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, "  # STEP
+           f"global batch {args.batch_size} = {launch.world_size} x {batch_size}, "  # STEP
+           f"synchronised every {args.sync_every} steps by outer SGD, "  # STEP
+           f"lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}")  # STEP
     sent = AllReduceCounter()  # STEP: adds up the tensors this rank hands to all_reduce
     train_seconds = 0.0
     for epoch in range(args.epochs):

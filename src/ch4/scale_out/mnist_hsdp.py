@@ -28,9 +28,11 @@ device_mesh=(R, S)) (FSDP1); for FSDP2, ModelParallelStrategy, where the Lightni
 calls fully_shard on the strategy's device mesh.
 
 Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
-    torchrun --nproc_per_node=4 src/ch4/scale_out/mnist_hsdp.py --replicas 2     # one machine: 2 x 2 (4 GPUs, or 4 CPU processes)
+    # one machine: 2 x 2 (4 GPUs, or 4 CPU processes)
+    torchrun --nproc_per_node=4 src/ch4/scale_out/mnist_hsdp.py --replicas 2
+    # on each of 2 nodes: mesh 2 x 8
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 --rdzv_id=hsdp \\
-        src/ch4/scale_out/mnist_hsdp.py                                           # on each of 2 nodes: mesh 2 x 8
+        src/ch4/scale_out/mnist_hsdp.py
 HOST is the first node's address (any node both can reach); every node runs the same command. On a CPU
 torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores.
 
@@ -46,9 +48,24 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data.distributed import DistributedSampler
 
-from common.cli import PARAM_DTYPES, add_compile_flag, add_hsdp_flags, mesh_shape, mnist_parser, per_process_batch
+from common.cli import (
+    PARAM_DTYPES,
+    add_compile_flag,
+    add_hsdp_flags,
+    mesh_shape,
+    mnist_parser,
+    per_process_batch,
+)
 from common.compile import compile_in_place
-from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
+from common.distributed import (
+    backend_for,
+    device_for,
+    exit_if_peers_missing,
+    exit_process,
+    print0,
+    processes,
+    require_launcher,
+)
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import autocast, grad_scaler, resolve_precision
@@ -56,7 +73,8 @@ from common.samplers import DistributedEvalSampler
 
 
 def shard(model, mesh, policy, backend=None):  # STEP
-    """fully_shard each layer, then the model: on a 2-D mesh, cut along "shard" and copied along "replicate"."""  # STEP
+    ('fully_shard each layer, then the model: on a 2-D mesh, cut along "shard" and copied along '  # STEP
+     '"replicate".')  # STEP
     for layer in (model.conv1, model.conv2, model.fc1, model.fc2):  # STEP: one all-gather per layer, then freed
         fully_shard(layer, mesh=mesh, mp_policy=policy)  # STEP
         compile_in_place(layer, backend)  # STEP: --compile: each block alone, as in mnist_fsdp.py
@@ -117,7 +135,8 @@ def main():
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = DistributedSampler(train_set, seed=args.seed)
     train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers)
-    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)
+    test_loader = mnist_loader(test_set, args.eval_batch_size,
+                               DistributedSampler(test_set, shuffle=False), args.num_workers)
     unpadded = len(DistributedEvalSampler(test_set))
 
     model = BasicNet().to(device)
@@ -129,7 +148,8 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 
-    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch "
+           f"{args.batch_size} = {launch.world_size} x {batch_size}")
     print0(f"mesh (replicate, shard) = {replicas} x {shards}: shard groups (rows) {mesh.mesh.tolist()}, "  # STEP
            f"parameters in {args.param_dtype}, gradients reduced in fp32")  # STEP
     train_seconds = 0.0

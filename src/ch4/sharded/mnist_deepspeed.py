@@ -20,9 +20,12 @@ What changes from mnist_fsdp.py:
     off: the images are cast to the weights' dtype instead.
 
 Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
-    torchrun --nproc_per_node=2 src/ch4/sharded/mnist_deepspeed.py --zero-stage 2    # 2 GPUs, or 2 CPU processes (gloo)
-    deepspeed --num_gpus 4 src/ch4/sharded/mnist_deepspeed.py --zero-stage 3         # DeepSpeed's own launcher, 4 GPUs
-    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 src/ch4/sharded/mnist_deepspeed.py     # ... on the CPU, 2 processes
+    # 2 GPUs, or 2 CPU processes (gloo)
+    torchrun --nproc_per_node=2 src/ch4/sharded/mnist_deepspeed.py --zero-stage 2
+    # DeepSpeed's own launcher, 4 GPUs
+    deepspeed --num_gpus 4 src/ch4/sharded/mnist_deepspeed.py --zero-stage 3
+    # ... on the CPU, 2 processes
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 src/ch4/sharded/mnist_deepspeed.py
 Needs DeepSpeed: pip install -e '.[deepspeed]'. On a CPU torchrun sets OMP_NUM_THREADS=1 per process.
 
 It rewrites much of mnist_fsdp.py, so its page shows it whole;
@@ -40,8 +43,22 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common.checkpoint import Position, exit_finished, rng_state, set_rng_state, write_atomically
 from common.cli import add_checkpoint_flags, add_deepspeed_flags, mnist_parser, per_process_batch
-from common.deepspeed_config import deepspeed_config, input_dtype, refuse_another_run, remove_old_checkpoints, require_deepspeed
-from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
+from common.deepspeed_config import (
+    deepspeed_config,
+    input_dtype,
+    refuse_another_run,
+    remove_old_checkpoints,
+    require_deepspeed,
+)
+from common.distributed import (
+    backend_for,
+    device_for,
+    exit_if_peers_missing,
+    exit_process,
+    print0,
+    processes,
+    require_launcher,
+)
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import resolve_precision
@@ -68,11 +85,13 @@ def train_epoch(engine, loader, device, dtype, position, args, fingerprint):
 
 
 def save_checkpoint(engine, folder, position, device, fingerprint):
-    """The engine writes its own checkpoint, every rank its shards; client_state rides in rank 0's file (stage 3: every rank's)."""
+    """The engine writes its own checkpoint, every rank its shards; client_state rides in rank 0's file
+    (stage 3: every rank's)."""
     every_rng = [None] * dist.get_world_size()
     dist.all_gather_object(every_rng, rng_state(device))  # each rank's dropout masks go on as they would have
-    engine.save_checkpoint(folder, tag=f"step-{position.step}", client_state={"position": asdict(position), "rng": every_rng,
-                                                                            "fingerprint": fingerprint})
+    engine.save_checkpoint(folder, tag=f"step-{position.step}",
+                           client_state={"position": asdict(position), "rng": every_rng,
+                                         "fingerprint": fingerprint})
     if dist.get_rank() == 0:
         remove_old_checkpoints(folder)  # DeepSpeed keeps every tag
 
@@ -93,7 +112,8 @@ def evaluate(model, loader, device, dtype, unpadded):
 
 
 def main():
-    args = add_deepspeed_flags(add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist-deepspeed", every=200)).parse_args()
+    args = add_deepspeed_flags(add_checkpoint_flags(mnist_parser(__doc__), "checkpoints/mnist-deepspeed",
+                                                    every=200)).parse_args()
 
     launch = require_launcher("src/ch4/sharded/mnist_deepspeed.py")
     device = device_for(launch)
@@ -111,15 +131,16 @@ def main():
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)  # can start mid-epoch
     train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # not the global RNG
-    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)
+    test_loader = mnist_loader(test_set, args.eval_batch_size,
+                               DistributedSampler(test_set, shuffle=False), args.num_workers)
     unpadded = len(DistributedEvalSampler(test_set))
 
     model = BasicNet().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     config = deepspeed_config(args, launch.world_size, precision)  # batch sizes, stage, precision, no clipping
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)  # rank 0's weights, sharded per the stage
-    fingerprint = {"ZeRO stage": engine.zero_optimization_stage(), "precision": precision, "global batch": args.batch_size,
-                   "training images": len(train_set), "seed": args.seed}  # what must match to resume
+    fingerprint = {"ZeRO stage": engine.zero_optimization_stage(), "precision": precision,
+                   "global batch": args.batch_size, "training images": len(train_set), "seed": args.seed}  # what must match to resume
     client_state = None
     if (Path(args.checkpoint_dir) / "latest").exists():  # DeepSpeed's file naming the newest tag
         refuse_another_run(args.checkpoint_dir, launch.world_size, fingerprint)  # one file of shards per rank, and these settings
@@ -127,12 +148,14 @@ def main():
     position = Position(**client_state["position"]) if client_state else Position()
     if client_state:
         set_rng_state(client_state["rng"][launch.rank], device)
-        print0(f"resumed at step {position.step}: epoch {position.epoch}, {position.samples_done} samples into it")
+        print0(f"resumed at step {position.step}: epoch {position.epoch}, "
+               f"{position.samples_done} samples into it")
         if position.epoch >= args.epochs:  # a rerun of a finished run
             exit_finished(Path(args.checkpoint_dir), position, longer="a larger --epochs")
     first_step = position.step
 
-    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, ZeRO stage {engine.zero_optimization_stage()}, "
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, "
+           f"ZeRO stage {engine.zero_optimization_stage()}, "
            f"global batch {args.batch_size} = {launch.world_size} x {batch_size}")
     train_seconds = 0.0
     for epoch in range(position.epoch, args.epochs):
@@ -151,7 +174,8 @@ def main():
 
     correct, seen = evaluate(engine, test_loader, device, input_dtype(precision), unpadded)  # stage 3: every rank runs every forward
     correct, seen = sum_across_ranks(correct, seen, device=device)
-    print0(f"train time {train_seconds:.1f} s, {(position.step - first_step) * args.batch_size / max(train_seconds, 1e-9):.0f} samples/s")  # this run's
+    print0(f"train time {train_seconds:.1f} s, "  # this run's
+           f"{(position.step - first_step) * args.batch_size / max(train_seconds, 1e-9):.0f} samples/s")
     print0(f"test accuracy {correct / seen:.2%} over {seen} images")
     dist.destroy_process_group()
     exit_process()

@@ -17,7 +17,8 @@ rank receives the average of its own piece only, and AdamW updates that piece. W
     (they come last), so that every test image still counts exactly once.
 
 Run from the repository root (MNIST is downloaded to ./data; --data-dir DIR reads a copy in DIR/MNIST/raw):
-    torchrun --nproc_per_node=2 src/ch4/sharded/mnist_fsdp.py       # 2 processes: 2 GPUs, or 2 CPU processes (gloo)
+    torchrun --nproc_per_node=2 src/ch4/sharded/mnist_fsdp.py       # 2 processes: 2 GPUs,
+                                                                    # or 2 CPU processes (gloo)
     torchrun --nproc_per_node=gpu src/ch4/sharded/mnist_fsdp.py     # one process per visible GPU
 On a CPU torchrun sets OMP_NUM_THREADS=1 per process, so N processes use N cores.
 
@@ -34,7 +35,15 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common.cli import add_compile_flag, mnist_parser, per_process_batch
 from common.compile import compile_in_place
-from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
+from common.distributed import (
+    backend_for,
+    device_for,
+    exit_if_peers_missing,
+    exit_process,
+    print0,
+    processes,
+    require_launcher,
+)
 from common.gather import sum_across_ranks
 from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import autocast, grad_scaler, resolve_precision
@@ -93,7 +102,8 @@ def main():
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = DistributedSampler(train_set, seed=args.seed)
     train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers)
-    test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedSampler(test_set, shuffle=False), args.num_workers)  # STEP: as many batches on every rank
+    test_loader = mnist_loader(test_set, args.eval_batch_size,  # STEP: as many batches on every rank
+                               DistributedSampler(test_set, shuffle=False), args.num_workers)  # STEP
     unpadded = len(DistributedEvalSampler(test_set))  # STEP: this rank's share before DistributedSampler's repeats
 
     model = BasicNet().to(device)  # STEP: fully_shard cannot shard channels_last (non-contiguous) weights
@@ -106,7 +116,8 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = grad_scaler(device, precision)
 
-    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch "
+           f"{args.batch_size} = {launch.world_size} x {batch_size}")
     train_seconds = 0.0
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)

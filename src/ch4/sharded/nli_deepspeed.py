@@ -15,9 +15,12 @@ changes from nli_fsdp.py:
 Evaluation is nli_fsdp.py's: at stage 3 every forward all-gathers, so every rank runs the same batches.
 
 Run from the repository root (the defaults download bert-base-cased and MultiNLI from the hub):
-    torchrun --nproc_per_node=4 src/ch4/sharded/nli_deepspeed.py --zero-stage 3                  # 4 GPUs, global batch 32 = 4 x 8
-    torchrun --nproc_per_node=2 src/ch4/sharded/nli_deepspeed.py --model path/to/bert --dataset pairs.jsonl   # CPU: gloo
-    deepspeed --num_gpus 4 src/ch4/sharded/nli_deepspeed.py --deepspeed-config ds_config.json     # DeepSpeed's launcher, a config file
+    # 4 GPUs, global batch 32 = 4 x 8
+    torchrun --nproc_per_node=4 src/ch4/sharded/nli_deepspeed.py --zero-stage 3
+    # CPU: gloo
+    torchrun --nproc_per_node=2 src/ch4/sharded/nli_deepspeed.py --model path/to/bert --dataset pairs.jsonl
+    # DeepSpeed's launcher, a config file
+    deepspeed --num_gpus 4 src/ch4/sharded/nli_deepspeed.py --deepspeed-config ds_config.json
 Needs DeepSpeed: pip install -e '.[deepspeed]'.
 
 Lines marked `# STEP` are what this step changes in nli_fsdp.py.
@@ -34,7 +37,15 @@ from transformers import get_linear_schedule_with_warmup
 
 from common.cli import add_deepspeed_flags, nli_parser, per_process_batch
 from common.deepspeed_config import deepspeed_config, require_deepspeed
-from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
+from common.distributed import (
+    backend_for,
+    device_for,
+    exit_if_peers_missing,
+    exit_process,
+    print0,
+    processes,
+    require_launcher,
+)
 from common.gather import sum_across_ranks
 from common.nli import load_model_and_tokenizer, load_pairs, nli_loader, to_device, tokenize_pairs
 from common.precision import resolve_precision
@@ -91,12 +102,15 @@ def main(args):
     torch.manual_seed(args.seed + launch.rank)
 
     model, tokenizer = load_model_and_tokenizer(args.model)
-    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples, args.max_eval_samples)
-    train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length) for pairs in (train_pairs, eval_pairs))
+    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples,
+                                         args.max_eval_samples)
+    train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length)
+                           for pairs in (train_pairs, eval_pairs))
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = DistributedSampler(train_set, seed=args.seed)
     train_loader = nli_loader(train_set, tokenizer, batch_size, train_sampler)
-    eval_loader = nli_loader(eval_set, tokenizer, args.eval_batch_size, DistributedSampler(eval_set, shuffle=False))
+    eval_loader = nli_loader(eval_set, tokenizer, args.eval_batch_size,
+                             DistributedSampler(eval_set, shuffle=False))
     unpadded = len(DistributedEvalSampler(eval_set))
 
     model = model.to(device)
@@ -104,9 +118,11 @@ def main(args):
     total_steps = min(args.max_steps or float("inf"), args.epochs * len(train_loader))
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)
     config = deepspeed_config(args, launch.world_size, precision, max_grad_norm=args.max_grad_norm)  # STEP
-    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)  # STEP
+    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer,  # STEP
+                                                   lr_scheduler=scheduler, config=config)  # STEP
 
-    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, ZeRO stage {engine.zero_optimization_stage()}, "  # STEP
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, "  # STEP
+           f"ZeRO stage {engine.zero_optimization_stage()}, "  # STEP
            f"global batch {args.batch_size} = {launch.world_size} x {batch_size}")  # STEP
     progress = tqdm(total=total_steps, desc="training", disable=launch.rank != 0)
     steps_done, train_seconds = 0, 0.0
@@ -117,7 +133,8 @@ def main(args):
         train_seconds += time.perf_counter() - start
         steps_done += steps
         loss = sum_across_ranks(loss, device=device)[0] / launch.world_size
-        print0(f"epoch {epoch}: mean training loss {loss:.4f}, learning rate {scheduler.get_last_lr()[0]:.3e}")
+        print0(f"epoch {epoch}: mean training loss {loss:.4f}, "
+               f"learning rate {scheduler.get_last_lr()[0]:.3e}")
     progress.close()
 
     correct, seen = evaluate(engine, eval_loader, device, unpadded)  # STEP: stage 3: every rank runs every forward

@@ -1,4 +1,5 @@
-"""MultiNLI with BERT and FSDP2 (`fully_shard`): ddp.py with the parameters, gradients and optimizer state sharded.
+"""MultiNLI with BERT and FSDP2 (`fully_shard`): ddp.py with the parameters, gradients and optimizer
+state sharded.
 
 The same fine-tuning as ddp.py, but each of the N ranks keeps only 1/N of the model, of its gradients
 and of AdamW's moments (ZeRO stage 3; common/lessons/zero.py writes the idea out). Each encoder layer is
@@ -16,8 +17,10 @@ updates that piece. What changes from ddp.py:
     (they come last), so every pair still counts exactly once, even with fewer pairs than ranks.
 
 Run from the repository root (the defaults download bert-base-cased and MultiNLI from the hub):
-    torchrun --nproc_per_node=4 src/ch4/sharded/nli_fsdp.py                    # 4 GPUs, global batch 32 = 4 x 8
-    torchrun --nproc_per_node=2 src/ch4/sharded/nli_fsdp.py --model path/to/bert --dataset pairs.jsonl   # CPU: gloo
+    # 4 GPUs, global batch 32 = 4 x 8
+    torchrun --nproc_per_node=4 src/ch4/sharded/nli_fsdp.py
+    # CPU: gloo
+    torchrun --nproc_per_node=2 src/ch4/sharded/nli_fsdp.py --model path/to/bert --dataset pairs.jsonl
 
 Lines marked `# STEP` are what this step changes in ddp.py.
 """
@@ -32,7 +35,15 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from common.cli import nli_parser, per_process_batch
-from common.distributed import backend_for, device_for, exit_if_peers_missing, exit_process, print0, processes, require_launcher
+from common.distributed import (
+    backend_for,
+    device_for,
+    exit_if_peers_missing,
+    exit_process,
+    print0,
+    processes,
+    require_launcher,
+)
 from common.fsdp import fully_shard_blocks
 from common.gather import sum_across_ranks
 from common.nli import load_model_and_tokenizer, load_pairs, nli_loader, to_device, tokenize_pairs
@@ -40,7 +51,8 @@ from common.precision import autocast, grad_scaler, optimizer_step, resolve_prec
 from common.samplers import DistributedEvalSampler
 
 
-def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, max_grad_norm, steps_left, progress):
+def train_epoch(model, loader, optimizer, scheduler, scaler, device, precision, max_grad_norm,
+                steps_left, progress):
     """One pass over this process's share of the pairs, or fewer if steps_left runs out first."""
     model.train()
     loss_sum = torch.zeros((), device=device)
@@ -94,12 +106,15 @@ def main(args):
     torch.manual_seed(args.seed + launch.rank)
 
     model, tokenizer = load_model_and_tokenizer(args.model)
-    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples, args.max_eval_samples)
-    train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length) for pairs in (train_pairs, eval_pairs))
+    train_pairs, eval_pairs = load_pairs(args.dataset, args.eval_split, args.max_train_samples,
+                                         args.max_eval_samples)
+    train_set, eval_set = (tokenize_pairs(pairs, tokenizer, args.max_length)
+                           for pairs in (train_pairs, eval_pairs))
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = DistributedSampler(train_set, seed=args.seed)
     train_loader = nli_loader(train_set, tokenizer, batch_size, train_sampler)
-    eval_loader = nli_loader(eval_set, tokenizer, args.eval_batch_size, DistributedSampler(eval_set, shuffle=False))  # STEP: as many batches on every rank
+    eval_loader = nli_loader(eval_set, tokenizer, args.eval_batch_size,  # STEP: as many batches on every rank
+                             DistributedSampler(eval_set, shuffle=False))  # STEP
     unpadded = len(DistributedEvalSampler(eval_set))  # STEP: this rank's share before DistributedSampler's repeats
 
     model = model.to(device)
@@ -112,7 +127,8 @@ def main(args):
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=0, num_training_steps=total_steps)
     scaler = grad_scaler(device, precision)
 
-    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch {args.batch_size} = {launch.world_size} x {batch_size}")
+    print0(f"{processes(launch.world_size)} on {device.type}, {precision}, global batch "
+           f"{args.batch_size} = {launch.world_size} x {batch_size}")
     progress = tqdm(total=total_steps, desc="training", disable=launch.rank != 0)
     steps_done, train_seconds = 0, 0.0
     for epoch in range(args.epochs):
@@ -123,7 +139,8 @@ def main(args):
         train_seconds += time.perf_counter() - start
         steps_done += steps
         loss = sum_across_ranks(loss, device=device)[0] / launch.world_size
-        print0(f"epoch {epoch}: mean training loss {loss:.4f}, learning rate {scheduler.get_last_lr()[0]:.3e}")
+        print0(f"epoch {epoch}: mean training loss {loss:.4f}, "
+               f"learning rate {scheduler.get_last_lr()[0]:.3e}")
     progress.close()
 
     correct, seen = evaluate(model, eval_loader, device, precision, unpadded)  # STEP: through FSDP, on every rank, the same batches
