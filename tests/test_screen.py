@@ -1,8 +1,9 @@
 """A lesson reads on a 1,280-px screen without scrolling sideways: every line of a page's Python excerpt, as the
 site shows it (tools/site_hooks.py moves a comment that runs past the block onto lines of its own above its
-code), fits the code block. CODE_COLUMNS, 110, was measured once in headless Chromium 150 on the built site
+code), and every line of a command a reader types (```bash), fits the code block. CODE_COLUMNS, 110, was measured once in headless Chromium 150 on the built site
 at a window 1,280 px wide: the code block is 906 px inside its padding and the code font 8.18 px per character
 (with the table of contents in the left sidebar, mkdocs.yml's toc.integrate)."""
+import re
 import sys
 
 import pytest
@@ -19,6 +20,26 @@ def too_wide(markdown, columns=site_hooks.CODE_COLUMNS):
     """The lines of the page's ```python blocks wider than the block, as the site shows them."""
     return [line for match in site_hooks.PYTHON_BLOCK.finditer(site_hooks.fit_code_blocks(markdown, columns))
             for line in match["body"].splitlines() if len(line) > columns]
+
+
+BASH_BLOCK = re.compile(r"^(?P<indent>[ \t]*)```bash[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
+
+
+def too_wide_commands(markdown, columns=site_hooks.CODE_COLUMNS):
+    """The lines of the page's ```bash blocks wider than the block: a long command continues with a backslash."""
+    return [line for match in BASH_BLOCK.finditer(markdown) for line in match["body"].splitlines() if len(line) > columns]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_command_line_fits_its_code_block(page):
+    wide = too_wide_commands(page.read_text())
+    assert not wide, f"{page.name}: {len(wide)} command lines wider than {site_hooks.CODE_COLUMNS} characters:\n" + \
+        "\n".join(wide[:5])
+
+
+def test_a_long_command_is_caught():
+    command = "torchrun --nproc_per_node=4 " + " ".join(f"--flag-{i} value" for i in range(8))
+    assert too_wide_commands(f"```bash\n{command}\n```\n") == [command]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
