@@ -1,8 +1,9 @@
 """A lesson reads on a 1,280-px screen without scrolling sideways: every line of a page's Python excerpt, as the
 site shows it (tools/site_hooks.py moves a comment that runs past the block onto lines of its own above its
-code), and every line of a command a reader types (```bash), fits the code block. CODE_COLUMNS, 110, was measured once in headless Chromium 150 on the built site
-at a window 1,280 px wide: the code block is 906 px inside its padding and the code font 8.18 px per character
-(with the table of contents in the left sidebar, mkdocs.yml's toc.integrate)."""
+code), and every line of a command a reader types (```bash), fits the code block. CODE_COLUMNS, 110, was
+measured once in headless Chromium 150 on the built site at a window 1,280 px wide: the code block is 906 px
+inside its padding and the code font 8.18 px per character (with the table of contents in the left sidebar,
+mkdocs.yml's toc.integrate)."""
 import re
 import sys
 
