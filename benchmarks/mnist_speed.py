@@ -26,7 +26,7 @@ from plotting import bar_chart, where_measured
 
 from common.cli import mnist_parser
 from common.distributed import processes_for_this_machine, processes_note
-from common.mnist import RAW_FILES
+from common.mnist import RAW_FILES, load_mnist
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,8 +86,8 @@ def main():
     args = parser.parse_args()
     raw = Path(args.data_dir, "MNIST", "raw")
     if not all((raw / name).exists() for names in RAW_FILES.values() for name in names):
-        parser.error(f"MNIST is not in {raw.resolve()}: a download would be timed with the first run; pass --data-dir "
-                     "with a folder that holds MNIST/raw/*-ubyte (python src/ch4/mnist_1_single.py downloads it to data)")
+        print(f"MNIST is not in {raw.resolve()}: downloading it first, so that no run times the download", flush=True)
+        load_mnist(args.data_dir)  # where it cannot be downloaded: one sentence that names --data-dir, and exit
     if args.nproc is None and "ddp" in args.runs:
         global_batch = mnist_parser("").get_default("batch_size")
         args.nproc = processes_for_this_machine(global_batch)

@@ -361,7 +361,8 @@ def results(tests: str, mnist: dict, bert: dict, device: str, seconds: float, cp
     where = (f"Device: {device}, the CPU (`--cpu`: every row's code path at toy size; a check, not a measurement)."
              if cpu else f"Device: {device}, one GPU.")
     lines = ["## Results", "",
-             "Written by `make gpu-check` ([`tools/gpu_check.py`](../tools/gpu_check.py)). GB = 10^9 bytes.", "",
+             "Written by [`tools/gpu_check.py`](../tools/gpu_check.py) (`make gpu-check` or `make gpu-check-offline`). "
+             "GB = 10^9 bytes.", "",
              f"{where} Software: {software()}.", "",
              f"`tests/test_gpu.py`: {tests}", "",
              "MNIST: one training epoch (evaluation and start-up not counted), global batch 64.", "",

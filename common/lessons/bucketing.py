@@ -7,7 +7,7 @@ bucket_cap_mb; a hook on each parameter counts its gradient in, and when a bucke
 all-reduce starts asynchronously while backward goes on with the earlier layers. Before the
 optimizer step, wait_for_gradients() waits for the outstanding all-reduces and writes the averaged
 gradients back. torch's DistributedDataParallel does the same, in C++, with the same argument name
-(bucket_cap_mb, default 25) and a first bucket of 1 MB so that communication starts early.
+(bucket_cap_mb, default 25, in MiB) and a first bucket of 1 MiB so that communication starts early.
 
 Gradient accumulation works as with DDP: run the forward and backward of every micro-batch but the
 last inside no_sync(), where gradients only add up in .grad; the last backward all-reduces the sum.

@@ -77,7 +77,7 @@ class LitBasicNet(L.LightningModule):  # the model and what one step does; the T
         loss = sum_across_ranks(loss, device=self.device)[0] / self.trainer.world_size  # the mean over ranks
         print0(f"epoch {self.current_epoch}: mean training loss {loss:.4f}")
 
-    def test_step(self, batch, batch_index):  # the Trainer sets eval mode and no_grad
+    def test_step(self, batch, batch_index):  # the Trainer sets eval mode and no_grad (inference_mode on NCCL)
         images, labels = batch
         predictions = self.model(images.contiguous(memory_format=torch.channels_last)).argmax(dim=1)
         self.correct += (predictions == labels).sum().item()  # counts, not a per-rank mean
