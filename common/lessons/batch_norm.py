@@ -5,8 +5,9 @@ Under DDP that batch is the rank's 1/N of the global batch, so every rank normal
 numbers, the forward is not one process's forward on the global batch, and each rank's running
 statistics follow its own data (DDP then broadcasts rank 0's buffers before each forward: the other
 ranks' statistics are thrown away). nn.SyncBatchNorm.convert_sync_batchnorm(model) replaces each
-BatchNorm by one that all-reduces the per-channel sums, so that every rank normalizes by the global
-batch's statistics; its kernels are CUDA-only (torch 2.15 refuses CPU tensors with a ValueError).
+BatchNorm by one that all-gathers every rank's per-channel mean, inverse standard deviation and count,
+so that every rank normalizes by the global batch's statistics; it runs only on accelerators (torch
+refuses CPU tensors with a ValueError).
 
 AllRanksBatchNorm2d computes the same statistics with plain all-reduces, which run on gloo too: the
 CPU stand-in the tests and docs/reductions.md use to show what SyncBatchNorm does.
