@@ -67,7 +67,7 @@ def main():
             parser.error(f"--cases {case}: write SIZE:STRATEGY:GPUS or SIZE:STRATEGY:GPUS:recompute, e.g. 70b:fsdp:1024")
     with tempfile.TemporaryDirectory() as folder:
         rows = [run_case(case, Path(folder), args.seq) for case in args.cases]
-    print(f"One simulated training step per case, {where_measured()}; GB = 10^9 bytes; per rank, as simulated")
+    print(f"One simulation per case (the model built, two steps run), {where_measured()}; GB = 10^9 bytes; per rank, as simulated")
     print("| case | parameters | seconds | host peak GB | params GB | grads GB | optimizer GB | peak GB | collectives |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for row in rows:
@@ -79,7 +79,7 @@ def main():
     if args.plot:
         bar_chart({row["case"]: row["seconds"] for row in rows},
                   [f"{row['seconds']:.0f} s, {row['rss_gb']:.1f} GB host" for row in rows],
-                  "seconds for one simulated step (lower is better)", f"planner.simulate, {where_measured()}", args.plot)
+                  "seconds for one simulation (lower is better)", f"planner.simulate, {where_measured()}", args.plot)
 
 
 if __name__ == "__main__":
