@@ -179,7 +179,7 @@ def test_basicnet_computes_the_seeds_function_at_less_cost():
 
 
 def test_simulate_speed(run_command, tmp_path):
-    """One tiny Llama-shaped case, as the 8 B and 70 B ones run: a config written, one simulated step timed."""
+    """One tiny Llama-shaped case, as the 8 B and 70 B ones run: a config written, one simulation timed."""
     plot = tmp_path / "simulate.png"
     result = run_command(PYTHON, "benchmarks/simulate_speed.py", "--cases", "tiny:fsdp:8", "--seq", "16", "--plot", plot,
                          timeout=300)
