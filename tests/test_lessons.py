@@ -175,8 +175,8 @@ def test_bert_accuracy_and_replicas(tiny_bert, nli_pairs, tmp_path, launcher, sc
     torch.testing.assert_close(printed, over_ranks, atol=6e-5, rtol=0)
 
 
-def bert_correct(tiny_bert, nli_pairs, weights) -> int:
-    """Correct predictions of one process, with these weights, on the whole held-out split."""
+def bert_logits(tiny_bert, nli_pairs, weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process's logits and the labels, with these weights, on the whole held-out split."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from common.nli import load_pairs, nli_loader, tokenize_pairs
@@ -186,9 +186,15 @@ def bert_correct(tiny_bert, nli_pairs, weights) -> int:
             param.copy_(value)
     tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
     _, eval_pairs = load_pairs(str(nli_pairs), "split", None, None)
-    correct = 0
+    logits, labels = [], []
     with torch.no_grad():
         for batch in nli_loader(tokenize_pairs(eval_pairs, tokenizer, 128), tokenizer, 64, None):
-            labels = batch.pop("labels")
-            correct += (model(**batch).logits.argmax(dim=-1) == labels).sum().item()
-    return correct
+            labels.append(batch.pop("labels"))
+            logits.append(model(**batch).logits)
+    return torch.cat(logits), torch.cat(labels)
+
+
+def bert_correct(tiny_bert, nli_pairs, weights) -> int:
+    """Correct predictions of one process, with these weights, on the whole held-out split."""
+    logits, labels = bert_logits(tiny_bert, nli_pairs, weights)
+    return (logits.argmax(dim=-1) == labels).sum().item()

@@ -9,7 +9,7 @@ count one process gets with those weights. The negative control gathers with the
 import pytest
 import torch
 from conftest import EVAL_PAIRS, ROOT, TORCHRUN, assert_ran, run_as_user
-from test_lessons import bert_correct, printed_correct
+from test_lessons import bert_correct, bert_logits, printed_correct
 
 CH4 = ROOT / "src" / "ch4"
 CRASH = ROOT / "tests" / "crash.py"
@@ -43,18 +43,7 @@ def smallest_margin(tiny_bert, nli_pairs) -> float:
     """The smallest gap between the two largest logits of a held-out pair, with rank 0's weights: the
     counts compared here come from other orders of the same float sums (other batches, ZeRO-3's gathered
     weights), which move a logit by about 1e-7, and agree only where no pair is that close to a tie."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from common.nli import load_pairs, nli_loader, tokenize_pairs
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=3).eval()
-    with torch.no_grad():
-        for param, value in zip(model.parameters(), rank0_initial_weights(tiny_bert), strict=True):
-            param.copy_(value)
-        tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
-        _, eval_pairs = load_pairs(str(nli_pairs), "split", None, None)
-        batches = nli_loader(tokenize_pairs(eval_pairs, tokenizer, 128), tokenizer, 64, None)
-        top_two = torch.cat([model(**{k: v for k, v in batch.items() if k != "labels"}).logits.topk(2).values
-                             for batch in batches])
+    top_two = bert_logits(tiny_bert, nli_pairs, rank0_initial_weights(tiny_bert))[0].topk(2).values
     return (top_two[:, 0] - top_two[:, 1]).min().item()
 
 

@@ -17,10 +17,14 @@ import site_hooks  # noqa: E402  (tools/ is not a package)
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
+def wide_lines(blocks, markdown, columns):
+    """The lines of the code blocks `blocks` finds in the markdown that are wider than `columns`."""
+    return [line for match in blocks.finditer(markdown) for line in match["body"].splitlines() if len(line) > columns]
+
+
 def too_wide(markdown, columns=site_hooks.CODE_COLUMNS):
     """The lines of the page's ```python blocks wider than the block, as the site shows them."""
-    return [line for match in site_hooks.PYTHON_BLOCK.finditer(site_hooks.fit_code_blocks(markdown, columns))
-            for line in match["body"].splitlines() if len(line) > columns]
+    return wide_lines(site_hooks.PYTHON_BLOCK, site_hooks.fit_code_blocks(markdown, columns), columns)
 
 
 BASH_BLOCK = re.compile(r"^(?P<indent>[ \t]*)```bash[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
@@ -28,7 +32,7 @@ BASH_BLOCK = re.compile(r"^(?P<indent>[ \t]*)```bash[^\n]*\n(?P<body>.*?)^(?P=in
 
 def too_wide_commands(markdown, columns=site_hooks.CODE_COLUMNS):
     """The lines of the page's ```bash blocks wider than the block: a long command continues with a backslash."""
-    return [line for match in BASH_BLOCK.finditer(markdown) for line in match["body"].splitlines() if len(line) > columns]
+    return wide_lines(BASH_BLOCK, markdown, columns)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
