@@ -20,10 +20,9 @@ SKIP = 3  # the harness's exit code for "cannot start SLURM here"
 # 300 s) and cancel what is left; pytest-timeout's 300 s per test would cut them short under load.
 pytestmark = pytest.mark.timeout(900)
 # name: launcher, its options, job script, chapter script, the world size it must report. torchrun on
-# 2 nodes x 1 process is the salloc job's
+# 2 nodes x 1 process is the salloc job's; 2 nodes x 2 processes takes the job script's one path with
+# NPROC_PER_NODE=2 that a single node would, and a second node besides
 JOBS = {
-    "torchrun, 1 node x 2 processes": ("sbatch", ["-N1", "--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=2"],
-                                       "slurm/torchrun.sbatch", "src/ch4/mnist_3_ddp.py", "2 processes"),
     "torchrun, 2 nodes x 2 processes": ("sbatch", ["-N2", "--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=2"],
                                         "slurm/torchrun.sbatch", "src/ch4/mnist_3_ddp.py", "4 processes"),
     "srun tasks, 2 nodes x 2 tasks": ("sbatch", ["-N2", "--ntasks-per-node=2", "--cpus-per-task=1"],

@@ -1,8 +1,8 @@
 """What the "Inside DDP" notebooks run in every process of a gloo group (common.spawn.run_in_process_group).
 
-A process started with the spawn method (the only start method that is safe with threads, which a
-Jupyter kernel has) receives the function it is to run as a module and a name, and imports it. A
-function defined in a notebook lives in the kernel's __main__, which the new process cannot import:
+A process that run_in_process_group starts (forked from a fork server, which is safe with threads, as a
+Jupyter kernel has, where a plain fork is not) receives the function it is to run as a module and a name,
+and imports it. A function defined in a notebook lives in the kernel's __main__, which it cannot import:
 "Can't get attribute 'worker' on <module '__main__'>". Functions defined in a module, like these, can.
 Each returns rank 0's view of what happened, small enough to print as a table.
 """
