@@ -32,12 +32,19 @@ def final_weights(folder):
 
 
 @pytest.mark.parametrize("stage", [0, 3])  # the two ends; stage 1 runs under DeepSpeed's launcher below, 2 in the BERT rung
-def test_the_rung_counts_every_test_image_once(tiny_mnist, tmp_path, stage):
-    result = run_rung("--data-dir", tiny_mnist, "--batch-size", "48", "--precision", "fp32", "--zero-stage", str(stage),
-                      "--checkpoint-dir", tmp_path)
-    assert_ran(result, f"ZeRO stage {stage}, global batch 48 = 3 x 16", f"final weights in {tmp_path / 'final.pt'}")
-    printed = round(float(re.search(rf"accuracy ([\d.]+)% over {TEST_IMAGES} images", result.stdout).group(1)) * TEST_IMAGES / 100)
-    assert printed == one_process_correct(final_weights(tmp_path), tiny_mnist)
+def test_the_rung_counts_every_test_image_once(request, tiny_mnist, tmp_path, stage):
+    """Stage 3 reads the resumable ZeRO-3 run below (global batch 33), made once for this file's tests."""
+    if stage == 3:
+        folder, _, stdout = request.getfixturevalue("uninterrupted")
+        assert "ZeRO stage 3, global batch 33 = 3 x 11" in stdout
+    else:
+        result = run_rung("--data-dir", tiny_mnist, "--batch-size", "48", "--precision", "fp32", "--zero-stage", "0",
+                          "--checkpoint-dir", tmp_path)
+        assert_ran(result, "ZeRO stage 0, global batch 48 = 3 x 16")
+        folder, stdout = tmp_path, result.stdout
+    assert f"final weights in {folder / 'final.pt'}" in stdout
+    printed = round(float(re.search(rf"accuracy ([\d.]+)% over {TEST_IMAGES} images", stdout).group(1)) * TEST_IMAGES / 100)
+    assert printed == one_process_correct(final_weights(folder), tiny_mnist)
 
 
 def resumable(folder, data, crash="none", restarts=1):
@@ -68,8 +75,9 @@ def checkpoint_tensors(folder) -> list[torch.Tensor]:
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_mnist, tmp_path_factory):
     folder = tmp_path_factory.mktemp("deepspeed-uninterrupted")
-    assert_ran(resumable(folder, tiny_mnist), "over 101 images")
-    return folder, checkpoint_tensors(folder)
+    result = resumable(folder, tiny_mnist)
+    assert_ran(result, "over 101 images")
+    return folder, checkpoint_tensors(folder), result.stdout
 
 
 @pytest.mark.parametrize("crash, bitwise", [("kill-rank1-after-step10", True),

@@ -1,5 +1,9 @@
 """tools/durations.py, which turns a run's --durations=0 report into the time tables of docs/tests.md: a test's
-phases add up (an id may hold spaces), and a test over the budget is flagged while one under it is not."""
+phases add up (an id may hold spaces), and a test over the budget is flagged while one under it is not; and the
+CPU seconds of the processes it launches, each noted once."""
+import json
+import os
+import subprocess
 import sys
 
 from conftest import ROOT
@@ -18,3 +22,34 @@ def test_a_tests_phases_add_up_and_only_a_test_over_the_budget_is_flagged():
     assert "1 over 60 s" in table and "| `test_resume.py::test_x` **over budget** | 61.5 |" in table
     assert "| `test_plan.py::test_y[a b]` | 59.0 |" in table  # under the budget: not flagged
     assert "| Jobs that fail and come back | 62 | 51% |" in table and "| Plan before you rent | 59 | 49% |" in table
+
+
+def test_each_process_counts_once_under_the_program_it_ran():
+    """A forked DataLoader worker is its own row, not its parent script's: no second counted twice."""
+    records = [{"argv": [str(ROOT / "src/ch4/ddp.py"), "--model", "m"], "cpu": 3.0, "forked": False, "test": "tests/test_a.py::t (call)"},
+               {"argv": [str(ROOT / "src/ch4/ddp.py")], "cpu": 1.0, "forked": True, "test": "tests/test_a.py::t (call)"},
+               {"argv": ["/venv/lib/python3.11/site-packages/torch/distributed/run.py"], "cpu": 1.0, "forked": False,
+                "test": "tests/test_b.py::u (setup)"}]
+    table = durations.process_table(records)
+    assert "The suite's 3 Python processes used 5 CPU seconds" in table
+    assert "| `src/ch4/ddp.py` | 1 | 3 | 60% | test_a.py |" in table
+    assert "| `forked: DataLoader workers, common/spawn.py's processes` | 1 | 1 | 20% | test_a.py |" in table
+    assert "| `torchrun (the launcher itself)` | 1 | 1 | 20% | test_b.py |" in table
+
+
+def test_a_process_and_its_forked_child_each_note_their_cpu(tmp_path):
+    """tools/process_costs/ on PYTHONPATH: the process notes itself at exit, and a child forked by multiprocessing,
+    which ends through os._exit (no atexit), notes itself too. Control: without PROCESS_COSTS nothing is noted."""
+    script = ("import multiprocessing as mp\n"
+              "if __name__ == '__main__':\n"
+              "    child = mp.get_context('fork').Process(target=sum, args=([1, 2],))\n"
+              "    child.start(); child.join()\n")
+    noted, unnoted = tmp_path / "noted", tmp_path / "unnoted"
+    noted.mkdir(), unnoted.mkdir()
+    for folder, costs in ((noted, {"PROCESS_COSTS": str(noted)}), (unnoted, {})):
+        env = {key: value for key, value in os.environ.items() if key != "PROCESS_COSTS"}
+        subprocess.run([sys.executable, "-c", script], env={**env, **costs, "PYTHONPATH": str(ROOT / "tools" / "process_costs")},
+                       check=True, timeout=60)
+    records = [json.loads(path.read_text()) for path in noted.glob("*.json")]
+    assert sorted(record["forked"] for record in records) == [False, True]
+    assert not list(unnoted.iterdir())

@@ -161,9 +161,8 @@ def test_truncated_checkpoint_falls_back_to_the_one_before(uninterrupted, tiny_m
 
 
 @pytest.mark.parametrize("processes, flags, phrase", [
-    (3, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),
-    (1, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),  # at another world size too
-    (3, ["--precision", "bf16"], "belongs to another run (precision fp32 there, bf16 here)"),
+    (1, ["--seed", "1"], "belongs to another run (seed 0 there, 1 here)"),  # at another world size, which resumes
+    (3, ["--precision", "bf16"], "belongs to another run (precision fp32 there, bf16 here)"),  # at the same
 ])
 def test_checkpoint_of_another_run_is_refused(uninterrupted, tiny_mnist, tmp_path, processes, flags, phrase):
     folder = shutil.copytree(uninterrupted, tmp_path / "copy")

@@ -1,4 +1,5 @@
-"""Where the suite's time goes: seconds per chapter, per test file and per test, from one run of the suite.
+"""Where the suite's time goes: seconds per chapter, per test file and per test, from one run of the suite,
+and the CPU seconds of the programs it launches.
 
     make test-durations     # python tools/durations.py --run: the whole suite, then the tables in docs/tests.md
     python tools/durations.py build/durations.txt --wall 1015 --check   # the tables from a saved report
@@ -9,9 +10,16 @@ where it runs), the tests of each file, and the files of each chapter (CHAPTERS)
 markers of docs/tests.md: the machine, the suite's wall time, and a row per chapter, per file and for the
 30 slowest tests. The seconds are the workers' (two at once on 2 cores), so they add up to about twice the
 wall time. A test over BUDGET seconds is flagged in its row, and --check exits 1 while one is.
+
+Under --run every Python process of the suite notes its own CPU seconds as it ends (tools/process_costs/,
+put on PYTHONPATH; build/process_costs/ holds the notes), and a last table sums them per launched program:
+on 2 cores the suite is busy all along, so its wall time follows these seconds.
 """
 import argparse
+import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from collections import defaultdict
@@ -26,6 +34,7 @@ PAGE = ROOT / "docs" / "tests.md"
 BEGIN, END = "<!-- durations -->", "<!-- end durations -->"
 LINE = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(tests/test_\w+\.py::.+?)\s*$")  # ids may hold spaces
 REPORT = ROOT / "build" / "durations.txt"
+COSTS = ROOT / "build" / "process_costs"
 BUDGET = 60  # seconds one test (its phases together) may take
 CHAPTERS = {  # the page each test file proves, in the site's order; a file in none counts as the repository's
     "The MNIST ladder": ["test_mnist_scripts", "test_lessons", "test_equivalence", "test_gather", "test_samplers",
@@ -100,6 +109,40 @@ def tables(seconds: dict[str, float], wall: float | None) -> str:
     return "\n".join(lines)
 
 
+def program(record: dict) -> str:
+    """What a process ran, as the table names it: a script of the repository, or the launcher or worker."""
+    first = record["argv"][0] if record["argv"] else "-c"
+    if record["forked"]:
+        return "forked: DataLoader workers, common/spawn.py's processes"
+    if first.endswith("torch/distributed/run.py"):
+        return "torchrun (the launcher itself)"
+    if "accelerate" in first:
+        return "accelerate launch (the launcher itself)"
+    if first == "-c":
+        return "python -c: pytest-xdist workers, the fork server, one-line checks"
+    path = Path(first)
+    if path.is_absolute() and path.is_relative_to(ROOT):
+        return str(path.relative_to(ROOT))
+    return first.split("site-packages/")[-1] if "site-packages/" in first else first
+
+
+def process_table(records: list[dict], rows: int = 25) -> str:
+    cpu, count, files = defaultdict(float), defaultdict(int), defaultdict(set)
+    for record in records:
+        name = program(record)
+        cpu[name] += record["cpu"]
+        count[name] += 1
+        if record["test"]:
+            files[name].add(record["test"].split("::")[0].removeprefix("tests/"))
+    total = sum(cpu.values())
+    lines = [f"The suite's {len(records)} Python processes used {total:.0f} CPU seconds; the {rows} programs that used "
+             "the most:", "", "| program | processes | CPU s | share | launched by |", "|---|---:|---:|---:|---|"]
+    for name, seconds in sorted(cpu.items(), key=lambda item: -item[1])[:rows]:
+        by = ", ".join(sorted(files[name])[:3]) + (f" and {len(files[name]) - 3} more" if len(files[name]) > 3 else "")
+        lines.append(f"| `{short(name, 70)}` | {count[name]} | {seconds:.0f} | {seconds / total:.0%} | {by} |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("report", type=Path, nargs="?", default=REPORT,
@@ -110,10 +153,15 @@ def main():
     args = parser.parse_args()
     if args.run:
         args.report.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(COSTS, ignore_errors=True)
+        COSTS.mkdir(parents=True)
+        noting = {**os.environ, "PROCESS_COSTS": str(COSTS),
+                  "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tools" / "process_costs"),
+                                                              os.environ.get("PYTHONPATH")]))}
         start = monotonic()
         with open(args.report, "w") as report:  # the run's output as make test prints it, and kept
             suite = subprocess.Popen([sys.executable, "-m", "pytest", "--durations=0", "--durations-min=0"], cwd=ROOT,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=noting)
             for line in suite.stdout:
                 print(line, end="", flush=True)
                 report.write(line)
@@ -127,7 +175,10 @@ def main():
     if BEGIN not in page or END not in page:
         sys.exit(f"error: {PAGE} has no {BEGIN} ... {END} markers to write between.")
     before, rest = page.split(BEGIN, 1)
-    PAGE.write_text(f"{before}{BEGIN}\n{tables(seconds, args.wall)}\n{END}{rest.split(END, 1)[1]}")
+    text = tables(seconds, args.wall)
+    if COSTS.is_dir():
+        text += "\n\n" + process_table([json.loads(path.read_text()) for path in COSTS.glob("*.json")])
+    PAGE.write_text(f"{before}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
     print(f"wrote the durations of {len(seconds)} tests into {PAGE.relative_to(ROOT)}")
     over = [test for test, time in seconds.items() if time > BUDGET]
     for test in over:

@@ -1,0 +1,34 @@
+"""Each Python process of a `make test-durations` run notes, as it ends, the CPU seconds it used itself and
+the test that started it (tools/durations.py puts this folder on PYTHONPATH and names PROCESS_COSTS).
+
+A process forked by multiprocessing (a DataLoader worker, a process of common/spawn.py's fork server) ends
+through os._exit, which skips atexit: it notes its own through multiprocessing's exit finalizers instead.
+Children are not added in, so that no second is counted twice.
+"""
+import atexit
+import json
+import multiprocessing.util
+import os
+import resource
+import sys
+import time
+
+FOLDER = os.environ.get("PROCESS_COSTS")
+
+
+def note(forked=False):
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    record = {"argv": sys.argv[:4], "cpu": usage.ru_utime + usage.ru_stime, "forked": forked,
+              "test": os.environ.get("PYTEST_CURRENT_TEST", "")}
+    with open(os.path.join(FOLDER, f"{os.getpid()}-{time.monotonic_ns()}.json"), "w") as file:
+        json.dump(record, file)
+
+
+def note_from_a_forked_child(_):
+    multiprocessing.util.Finalize(None, note, kwargs={"forked": True}, exitpriority=-1000)
+
+
+if FOLDER:
+    started_by = os.getpid()
+    atexit.register(lambda: os.getpid() == started_by and note())
+    multiprocessing.util.register_after_fork(note, note_from_a_forked_child)
