@@ -29,12 +29,19 @@ def test_each_process_counts_once_under_the_program_it_ran():
     records = [{"argv": [str(ROOT / "src/ch4/ddp.py"), "--model", "m"], "cpu": 3.0, "forked": False, "test": "tests/test_a.py::t (call)"},
                {"argv": [str(ROOT / "src/ch4/ddp.py")], "cpu": 1.0, "forked": True, "test": "tests/test_a.py::t (call)"},
                {"argv": ["/venv/lib/python3.11/site-packages/torch/distributed/run.py"], "cpu": 1.0, "forked": False,
-                "test": "tests/test_b.py::u (setup)"}]
+                "test": "tests/test_b.py::u (setup)"},
+               {"argv": [str(ROOT / "src/ch4/mnist_4_accelerate.py")], "cpu": 2.0, "forked": False, "test": "tests/test_b.py::v"},
+               {"argv": ["/venv/lib/python3.11/site-packages/accelerate/commands/launch.py"], "cpu": 3.0, "forked": False,
+                "test": "tests/test_b.py::v"},
+               {"argv": ["/tmp/pytest-of-me/pytest-7/popen-gw1/test_w0/record.py"], "cpu": 0.0, "forked": False, "test": ""}]
     table = durations.process_table(records)
-    assert "The suite's 3 Python processes used 5 CPU seconds" in table
-    assert "| `src/ch4/ddp.py` | 1 | 3 | 60% | test_a.py |" in table
-    assert "| `forked: DataLoader workers, common/spawn.py's processes` | 1 | 1 | 20% | test_a.py |" in table
-    assert "| `torchrun (the launcher itself)` | 1 | 1 | 20% | test_b.py |" in table
+    assert "The suite's 6 Python processes used 10 CPU seconds" in table
+    assert "| `src/ch4/ddp.py` | 1 | 3 | 30% | test_a.py |" in table
+    assert "| `forked: DataLoader workers, common/spawn.py's processes` | 1 | 1 | 10% | test_a.py |" in table
+    assert "| `torchrun (the launcher itself)` | 1 | 1 | 10% | test_b.py |" in table
+    assert "| `src/ch4/mnist_4_accelerate.py` | 1 | 2 | 20% | test_b.py |" in table  # a script, not the launcher
+    assert "| `accelerate launch (the launcher itself)` | 1 | 3 | 30% | test_b.py |" in table
+    assert "| `record.py, in a test's temporary folder` | 1 | 0 | 0% |  |" in table  # no run's own folder on the page
 
 
 def test_a_process_and_its_forked_child_each_note_their_cpu(tmp_path):

@@ -116,14 +116,16 @@ def program(record: dict) -> str:
         return "forked: DataLoader workers, common/spawn.py's processes"
     if first.endswith("torch/distributed/run.py"):
         return "torchrun (the launcher itself)"
-    if "accelerate" in first:
+    if first.endswith("accelerate/commands/launch.py") or first.endswith("bin/accelerate"):
         return "accelerate launch (the launcher itself)"
     if first == "-c":
         return "python -c: pytest-xdist workers, the fork server, one-line checks"
     path = Path(first)
     if path.is_absolute() and path.is_relative_to(ROOT):
         return str(path.relative_to(ROOT))
-    return first.split("site-packages/")[-1] if "site-packages/" in first else first
+    if "site-packages/" in first:
+        return first.split("site-packages/")[-1]
+    return f"{path.name}, in a test's temporary folder" if "/pytest-of-" in first else first
 
 
 def process_table(records: list[dict], rows: int = 25) -> str:
