@@ -52,11 +52,12 @@ def test_a_process_and_its_forked_child_each_note_their_cpu(tmp_path):
               "    child = mp.get_context('fork').Process(target=sum, args=([1, 2],))\n"
               "    child.start(); child.join()\n")
     noted, unnoted = tmp_path / "noted", tmp_path / "unnoted"
-    noted.mkdir(), unnoted.mkdir()
-    for folder, costs in ((noted, {"PROCESS_COSTS": str(noted)}), (unnoted, {})):
-        env = {key: value for key, value in os.environ.items() if key != "PROCESS_COSTS"}
-        subprocess.run([sys.executable, "-c", script], env={**env, **costs, "PYTHONPATH": str(ROOT / "tools" / "process_costs")},
-                       check=True, timeout=60)
+    noted.mkdir()
+    unnoted.mkdir()
+    env = {key: value for key, value in os.environ.items() if key != "PROCESS_COSTS"}
+    env["PYTHONPATH"] = str(ROOT / "tools" / "process_costs")
+    for costs in ({"PROCESS_COSTS": str(noted)}, {}):  # the control names no folder, so unnoted stays empty
+        subprocess.run([sys.executable, "-c", script], env={**env, **costs}, check=True, timeout=60)
     records = [json.loads(path.read_text()) for path in noted.glob("*.json")]
     assert sorted(record["forked"] for record in records) == [False, True]
     assert not list(unnoted.iterdir())

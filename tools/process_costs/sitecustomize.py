@@ -3,7 +3,8 @@ the test that started it (tools/durations.py puts this folder on PYTHONPATH and 
 
 A process forked by multiprocessing (a DataLoader worker, a process of common/spawn.py's fork server) ends
 through os._exit, which skips atexit: it notes its own through multiprocessing's exit finalizers instead.
-Children are not added in, so that no second is counted twice.
+Children are not added in, so that no second is counted twice. On PYTHONPATH, this module is found before
+a sitecustomize of the Python installation, which does not run during such a run.
 """
 import atexit
 import json
