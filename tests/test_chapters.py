@@ -27,7 +27,9 @@ STEPS = [*zip(MNIST_LADDER, MNIST_LADDER[1:]),  # each script is one step from t
          ("sharded/mnist_fsdp.py", "scale_out/mnist_hsdp.py"),  # the FSDP script on a 2-D mesh: HSDP
          ("mnist_3_ddp.py", "scale_out/mnist_comm_hooks.py"),  # fewer bytes per step: a DDP communication hook
          ("mnist_3_ddp.py", "scale_out/mnist_diloco.py"),  # fewer steps that communicate: local SGD and DiLoCo
-         ("sharded/nli_fsdp.py", "sharded/nli_deepspeed.py")]  # DeepSpeed's engine
+         ("sharded/nli_fsdp.py", "sharded/nli_deepspeed.py"),  # DeepSpeed's engine
+         ("resume/mnist_3_ddp_resume.py", "data_pipeline/mnist_workers.py"),  # augmentation from each worker's generator
+         ("data_pipeline/mnist_workers.py", "data_pipeline/mnist_stateful.py")]  # torchdata's StatefulDataLoader
 # Scripts that rewrite more than a step's share of the script they start from (MOST_MARKED): a framework or an
 # engine takes over the loop. Each is a base of its own, and the page named here shows it whole.
 REWRITES = {"nli_accelerate.py": "bert.md", "mnist_5_lightning.py": "lightning.md", "nli_trainer.py": "deepspeed.md",

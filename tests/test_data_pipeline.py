@@ -1,0 +1,176 @@
+"""The data-pipeline chapter (src/ch4/data_pipeline/): workers that augment from generators of their own, and
+runs that resume exactly with them.
+
+Launched runs train the tiny MNIST (192 images) for 2 epochs of 6 steps, global batch 36, on 3 gloo processes
+with 2 DataLoader workers each that shift the images at random (--augment 2), a checkpoint every 2 steps.
+A chain of three launches in one folder is SIGKILLed twice mid-epoch (rank 1 after step 3, then rank 2 three
+steps after the resume, with batches prefetched by the workers) and resumes twice; its final weights and
+optimizer state must equal, bitwise, those of the run that was never killed. Both rungs are held to the same
+uninterrupted run of mnist_workers.py: a StatefulDataLoader changes how the rung resumes, not what it trains.
+The traps and their fixes are shown on the loaders themselves, in this process, with forked workers.
+"""
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TORCHRUN, assert_ran, run_as_user
+from test_resume import CRASH, RESTARTABLE, bitwise_equal, final_state
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from common.mnist import MNISTTensors
+from common.samplers import ResumableDistributedSampler
+from common.worker_seeds import WorkerShift, seed_epoch, seed_worker
+
+PIPELINE = Path(__file__).resolve().parent.parent / "src" / "ch4" / "data_pipeline"
+BATCH, IMAGES = 36, 192
+KILLS = ["kill-rank1-after-step3", "kill-rank2-after-step3", "none"]  # resumed from step 2, then from step 4
+
+
+def run(script, folder, data, processes=3, what="none", record=None):
+    return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", "--max-restarts=0", CRASH, what, PIPELINE / script,
+                       "--data-dir", data, "--batch-size", BATCH, "--num-workers", "2", "--augment", "2",
+                       "--epochs", "2", "--checkpoint-every", "2", "--checkpoint-dir", folder, "--precision", "fp32",
+                       "--dist-timeout", "60", timeout=240,
+                       env_extra={**RESTARTABLE, **({"RECORD_SAMPLES": str(record)} if record else {})})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_mnist, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    assert_ran(run("mnist_workers.py", folder, tiny_mnist), "over 101 images")
+    return final_state(folder)
+
+
+@pytest.fixture(scope="module")
+def killed_twice(tiny_mnist, tmp_path_factory):
+    """For each rung: the folder of the chain, a copy of the first kill's step-2 checkpoint, and the samples
+    each rank of the first launch was given (recorded in order; the first 2 batches are the checkpoint's)."""
+    chains = {}
+    for script in ("mnist_workers.py", "mnist_stateful.py"):
+        folder, kept, record = (tmp_path_factory.mktemp(name) for name in ("chain", "kept", "record"))
+        outputs = []
+        for number, what in enumerate(KILLS):
+            result = run(script, folder, tiny_mnist, what=f"{what},record-samples" if number == 0 else what, record=record)
+            outputs.append(result.stdout)
+            if number == 0:
+                assert result.returncode != 0 and not (folder / "step-00000004.pt").exists()
+                shutil.copy(folder / "step-00000002.pt", kept)
+        assert "resumed from" in outputs[1] and "epoch 0, 72 samples into it, step 2" in outputs[1], outputs[1]
+        assert "epoch 0, 144 samples into it, step 4" in outputs[2], outputs[2]
+        assert_ran(result, "over 101 images")
+        chains[script] = folder, kept, record
+    return chains
+
+
+@pytest.mark.parametrize("script", ["mnist_workers.py", "mnist_stateful.py"])
+def test_killed_twice_mid_epoch_the_run_ends_bitwise_as_if_never_stopped(uninterrupted, killed_twice, script):
+    folder, _, _ = killed_twice[script]
+    assert bitwise_equal(final_state(folder), uninterrupted)
+
+
+def trained(record: Path, processes: int, steps: int, per_rank: int, first: int = 0) -> list[int]:
+    """The indices the ranks of one run trained on in `steps` steps of `per_rank` samples (the sampler
+    records what the workers were sent, prefetched batches too: the rest is cut off)."""
+    return [index for rank in range(processes)
+            for index in [int(line) for line in (record / f"rank{rank}.txt").read_text().split()][first:first + steps * per_rank]]
+
+
+def test_another_world_size_trains_every_sample_of_the_epoch_once(killed_twice, tiny_mnist, tmp_path):
+    """3 -> 2 -> 3 processes over epoch 0: mnist_stateful.py's step-2 checkpoint of 3 ranks goes on at 2 (SIGTERM
+    after 2 steps: a checkpoint at step 4), then at 3 to the end. The loader states do not fit, the run says so
+    and goes on from the global cursor: the samples of epoch 0, counted by index over all ranks, are each
+    trained on once (steps 1-2 at 3 ranks, 3-4 at 2, 5-6 at 3; step 6 is the epoch's last, 12 images)."""
+    _, kept, first = killed_twice["mnist_stateful.py"]
+    folder, at_2, at_3 = tmp_path / "folder", tmp_path / "at-2", tmp_path / "at-3"
+    for made in (folder, at_2, at_3):
+        made.mkdir()
+    shutil.copy(kept / "step-00000002.pt", folder)
+    result = run("mnist_stateful.py", folder, tiny_mnist, 2, "record-samples,term-rank0-after-step2", at_2)
+    assert "stopped by SIGTERM at step 4" in result.stdout, result.stderr[-3000:]
+    assert "the loader states of 3 ranks with 2 workers each do not carry over to 2 ranks with 2" in result.stdout
+    assert_ran(run("mnist_stateful.py", folder, tiny_mnist, 3, "record-samples", at_3),
+               "do not carry over to 3 ranks", "over 101 images")
+    epoch = [*trained(first, 3, 2, 12), *trained(at_2, 2, 2, 18), *trained(at_3, 3, 1, 12), *trained(at_3, 3, 1, 4, 12)]
+    assert sorted(epoch) == list(range(IMAGES))
+
+
+# The traps, on the loaders alone: rank 1 of 3, batches of 12, 2 workers.
+
+class InitShift(WorkerShift):
+    """The trap: a generator made in __init__ from the run's seed, copied into every worker and every rank."""
+
+    def __init__(self, dataset, pixels, seed=0):
+        super().__init__(dataset, pixels)
+        self.generator.manual_seed(seed)
+
+
+def shifted_batches(dataset, rank, seeded=True, loader=DataLoader, epoch=0, samples_done=0, state=None, keep=None):
+    sampler = ResumableDistributedSampler(dataset, 12, num_replicas=3, rank=rank, seed=0)
+    loader = loader(dataset, 12, sampler=sampler, collate_fn=dataset.collate, num_workers=2,
+                    worker_init_fn=seed_worker if seeded else None, generator=torch.Generator())
+    sampler.set_epoch(epoch, samples_done)
+    if seeded:
+        seed_epoch(loader, 0, rank, epoch)
+    if state is not None:
+        loader.load_state_dict(state)
+    batches = []
+    for images, _ in loader:
+        batches.append(images)
+        if keep is not None and len(batches) == keep:
+            return batches, loader.state_dict()
+    return batches
+
+
+@pytest.fixture(scope="module")
+def images(tiny_mnist):
+    return MNISTTensors(Path(tiny_mnist) / "MNIST" / "raw", train=True)
+
+
+def shifts(batches, unshifted):
+    """Each image's shift, found back by rolling the unshifted image until it matches."""
+    found = []
+    for batch, plain in zip(batches, unshifted):
+        for image, original in zip(batch, plain):
+            found.append(next((rows, columns) for rows in range(-2, 3) for columns in range(-2, 3)
+                              if torch.equal(torch.roll(original, (rows, columns), (-2, -1)), image)))
+    return found
+
+
+@pytest.mark.parametrize("kind, seeded, repeats", [(WorkerShift, True, False), (InitShift, False, True)])
+def test_each_worker_of_each_rank_draws_its_own_shifts(images, kind, seeded, repeats):
+    """Seeded per worker from the loader's per-rank, per-epoch generator, the two workers of a rank and the
+    same worker of two ranks draw different shifts. The control: a generator made in __init__ (and no
+    worker_init_fn) gives worker 1 worker 0's shifts, and rank 1 rank 0's."""
+    plain = {rank: shifted_batches(WorkerShift(images, 0), rank, seeded=False) for rank in (0, 1)}
+    drawn = {rank: shifts(shifted_batches(kind(images, 2), rank, seeded), plain[rank]) for rank in (0, 1)}
+    worker_0, worker_1 = drawn[1][:12], drawn[1][12:24]  # batch 0 comes from worker 0, batch 1 from worker 1
+    assert (worker_0 == worker_1) == repeats
+    assert (drawn[0] == drawn[1]) == repeats
+    assert len(set(drawn[1])) > 5  # and the shifts vary within a worker
+
+
+@pytest.mark.parametrize("how, same", [("replay", True), ("afresh", False)])
+def test_a_resumed_loader_draws_again_what_the_workers_drew_only_by_replaying(images, how, same):
+    """mnist_workers.py's resume: a loader started at the epoch's first batch, whose first 2 batches are thrown
+    away, gives the later batches the shifts of the loader that never stopped. The control starts the loader
+    at the cursor instead, as the resume rung does for its (seed, epoch, index) shifts: other draws."""
+    never_stopped = shifted_batches(WorkerShift(images, 2), 1)
+    resumed = shifted_batches(WorkerShift(images, 2), 1)[2:] if how == "replay" else \
+        shifted_batches(WorkerShift(images, 2), 1, samples_done=72)
+    assert len(resumed) == len(never_stopped) - 2
+    assert all(torch.equal(a, b) for a, b in zip(resumed, never_stopped[2:])) == same
+
+
+@pytest.mark.parametrize("restored, same", [(True, True), (False, False)])
+def test_a_stateful_loader_restored_mid_epoch_goes_on_with_each_workers_generator(images, restored, same):
+    """mnist_stateful.py's resume: the state taken after 3 batches (worker 0 sent 2, worker 1 one, and both
+    had more prefetched) starts a new loader's workers where they were. The control, a new loader at the
+    cursor without the state, draws other shifts for the same images."""
+    never_stopped = shifted_batches(WorkerShift(images, 2), 1, loader=StatefulDataLoader)
+    _, state = shifted_batches(WorkerShift(images, 2), 1, loader=StatefulDataLoader, keep=3)
+    resumed = shifted_batches(WorkerShift(images, 2), 1, loader=StatefulDataLoader, state=state) if restored else \
+        shifted_batches(WorkerShift(images, 2), 1, loader=StatefulDataLoader, samples_done=108)
+    assert len(resumed) == len(never_stopped) - 3
+    assert all(torch.equal(a, b) for a, b in zip(resumed, never_stopped[3:])) == same
