@@ -36,13 +36,19 @@ def gather_loader_states(loader) -> dict | None:
     return {"num_workers": loader.num_workers, "ranks": gathered} if gathered else None
 
 
-def restore_loader(loader, saved: dict, rank: int, world_size: int) -> bool:
-    """Give this rank's loader its state back where the checkpoint's ranks and workers are this run's;
-    otherwise say, once, why the run goes on from the global cursor instead."""
-    if len(saved["ranks"]) == world_size and saved["num_workers"] == loader.num_workers:
+def restore_loader(loader, saved: dict, rank: int, world_size: int, cursor: bool = True) -> bool:
+    """Give this rank's loader its state back where the checkpoint's ranks and workers are this run's.
+    Otherwise say, once, why the run goes on from the global cursor instead; a stream (cursor=False) has no
+    cursor to go on from, and the run ends in one sentence before it trains."""
+    ranks, workers = len(saved["ranks"]), saved["num_workers"]
+    if ranks == world_size and workers == loader.num_workers:
         loader.load_state_dict(saved["ranks"][rank])
         return True
-    print0(f"the loader states of {len(saved['ranks'])} ranks with {saved['num_workers']} workers each do not carry "
+    if not cursor:
+        sys.exit(f"error: the checkpoint holds the places in their shards of {ranks} ranks with {workers} workers "
+                 f"each, which do not carry over to {world_size} ranks with {loader.num_workers}; resume with "
+                 f"--nproc_per_node={ranks} --num-workers {workers} (per node), and change them at an epoch's end.")
+    print0(f"the loader states of {ranks} ranks with {workers} workers each do not carry "
            f"over to {world_size} ranks with {loader.num_workers}: the epoch goes on from the checkpoint's sample "
            "cursor, every sample once, with new worker seeds, so its augmentations differ from the run's that "
            "never stopped", flush=True)

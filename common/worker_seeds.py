@@ -16,7 +16,9 @@ A resumed run must then give each worker back where its generator was: tests/tes
 a rung that replays the epoch's first batches through the workers (src/ch4/data_pipeline/mnist_workers.py)
 and one whose loader keeps the workers' states in the checkpoint (mnist_stateful.py).
 """
+import os
 import random
+import sys
 
 import torch
 from torch.utils.data import Dataset, get_worker_info
@@ -25,6 +27,17 @@ from torch.utils.data import Dataset, get_worker_info
 def loader_seed(seed: int, rank: int, epoch: int) -> int:
     """One number per (seed, rank, epoch): ranks and epochs differ, a rerun is the same."""
     return random.Random(f"{seed} {rank} {epoch}").getrandbits(63)
+
+
+def warn_if_oversubscribed(num_workers: int, local_world_size: int) -> None:
+    """One warning where each rank's workers are more than this machine has cores per rank: the workers then
+    take turns on the cores with the training processes, which slows the step they are meant to feed."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    per_rank = max(cores // local_world_size, 1)
+    if num_workers > per_rank and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        print(f"warning: --num-workers {num_workers} on each of {local_world_size} processes is more than the "
+              f"{cores} cores of this machine give each ({per_rank}); pass --num-workers {per_rank} or fewer "
+              "(docs/data_pipeline.md measures what more costs)", file=sys.stderr, flush=True)
 
 
 def seed_epoch(loader, seed: int, rank: int, epoch: int) -> None:

@@ -22,6 +22,8 @@ WHAT is comma-separated:
                                its first step (common/resume_buckets.py)
   keep-eval-padding            negative control: the Trainer gathers its evaluation without dropping the
                                padding that evens the ranks' batches (Accelerate's gather, not gather_for_metrics)
+  no-agreed-stop               negative control: a stream rung's rank leaves the epoch when its own share runs out,
+                               without asking the others (common/stream.py's every_rank_has)
   none                         no crash
 Kills happen only on the first attempt (TORCHELASTIC_RESTART_COUNT 0, SLURM_RESTART_COUNT 0), so
 the restart runs clean.
@@ -137,6 +139,9 @@ if __name__ == "__main__":
         elif item == "keep-eval-padding":
             import accelerate
             accelerate.Accelerator.gather_for_metrics = lambda self, data, use_gather_object=False: self.gather(data)
+        elif item == "no-agreed-stop":
+            import common.stream
+            common.stream.every_rank_has = lambda batch: batch is not None
         elif not killing and item not in ("none", "slow-first-run"):
             sys.exit(f"tests/crash.py: unknown {item}")
     sys.argv = sys.argv[2:]

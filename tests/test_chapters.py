@@ -29,7 +29,8 @@ STEPS = [*zip(MNIST_LADDER, MNIST_LADDER[1:]),  # each script is one step from t
          ("mnist_3_ddp.py", "scale_out/mnist_diloco.py"),  # fewer steps that communicate: local SGD and DiLoCo
          ("sharded/nli_fsdp.py", "sharded/nli_deepspeed.py"),  # DeepSpeed's engine
          ("resume/mnist_3_ddp_resume.py", "data_pipeline/mnist_workers.py"),  # augmentation from each worker's generator
-         ("data_pipeline/mnist_workers.py", "data_pipeline/mnist_stateful.py")]  # torchdata's StatefulDataLoader
+         ("data_pipeline/mnist_workers.py", "data_pipeline/mnist_stateful.py"),  # torchdata's StatefulDataLoader
+         ("data_pipeline/mnist_stateful.py", "data_pipeline/mnist_stream.py")]  # a datasets stream of Parquet shards
 # Scripts that rewrite more than a step's share of the script they start from (MOST_MARKED): a framework or an
 # engine takes over the loop. Each is a base of its own, and the page named here shows it whole.
 REWRITES = {"nli_accelerate.py": "bert.md", "mnist_5_lightning.py": "lightning.md", "nli_trainer.py": "deepspeed.md",
@@ -47,6 +48,8 @@ DELETIONS = {  # unmarked lines of the earlier script that a step deletes on pur
                                                   "with autocast(device, precision):", "scaler.update()"],
     ("mnist_3_ddp.py", "resume/mnist_3_ddp_resume.py"): [COMPILE_LINE],
     ("ddp.py", "resume/ddp_resume.py"): [COMPILE_LINE],  # as its MNIST twin: the resumed run is eager
+    ("data_pipeline/mnist_stateful.py", "data_pipeline/mnist_stream.py"): [  # a stream has no sampler
+        "train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)"],
     ("sharded/nli_fsdp.py", "sharded/nli_deepspeed.py"): [  # the engine (the Trainer) does these; DeepSpeed's forward turns autocast off
         'with autocast(device, precision):',
         'optimizer.zero_grad(set_to_none=True)',

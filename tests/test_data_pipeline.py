@@ -3,12 +3,13 @@ runs that resume exactly with them.
 
 Launched runs train the tiny MNIST (192 images) for 2 epochs of 6 steps, global batch 36, on 3 gloo processes
 with 2 DataLoader workers each that shift the images at random (--augment 2), a checkpoint every 2 steps.
-A chain of three launches in one folder is SIGKILLed twice mid-epoch (rank 1 after step 3, then rank 2 three
-steps after the resume, with batches prefetched by the workers) and resumes twice; its final weights and
+A run is SIGKILLed twice mid-epoch (rank 1 after step 3; rank 2 three steps after the resume from step 2,
+with batches prefetched by the workers) and resumes twice, from step 2 and from step 4; its final weights and
 optimizer state must equal, bitwise, those of the run that was never killed. Both rungs are held to the same
 uninterrupted run of mnist_workers.py: a StatefulDataLoader changes how the rung resumes, not what it trains.
 The traps and their fixes are shown on the loaders themselves, in this process, with forked workers.
 """
+import os
 import shutil
 from pathlib import Path
 
@@ -19,18 +20,19 @@ from test_resume import CRASH, RESTARTABLE, bitwise_equal, final_state
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from common.loader_state import restore_loader
 from common.mnist import MNISTTensors
 from common.samplers import ResumableDistributedSampler
-from common.worker_seeds import WorkerShift, seed_epoch, seed_worker
+from common.stream import mnist_stream, write_shards
+from common.worker_seeds import WorkerShift, seed_epoch, seed_worker, warn_if_oversubscribed
 
 PIPELINE = Path(__file__).resolve().parent.parent / "src" / "ch4" / "data_pipeline"
 BATCH, IMAGES = 36, 192
-KILLS = ["kill-rank1-after-step3", "kill-rank2-after-step3", "none"]  # resumed from step 2, then from step 4
 
 
-def run(script, folder, data, processes=3, what="none", record=None):
-    return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", "--max-restarts=0", CRASH, what, PIPELINE / script,
-                       "--data-dir", data, "--batch-size", BATCH, "--num-workers", "2", "--augment", "2",
+def run(script, folder, data, processes=3, what="none", record=None, restarts=0):
+    return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", f"--max-restarts={restarts}", CRASH, what,
+                       PIPELINE / script, "--data-dir", data, "--batch-size", BATCH, "--num-workers", "2", "--augment", "2",
                        "--epochs", "2", "--checkpoint-every", "2", "--checkpoint-dir", folder, "--precision", "fp32",
                        "--dist-timeout", "60", timeout=240,
                        env_extra={**RESTARTABLE, **({"RECORD_SAMPLES": str(record)} if record else {})})
@@ -46,20 +48,16 @@ def uninterrupted(tiny_mnist, tmp_path_factory):
 @pytest.fixture(scope="module")
 def killed_twice(tiny_mnist, tmp_path_factory):
     """For each rung: the folder of the chain, a copy of the first kill's step-2 checkpoint, and the samples
-    each rank of the first launch was given (recorded in order; the first 2 batches are the checkpoint's)."""
+    each rank of the first launch was given (recorded in order; the first 2 batches are the checkpoint's).
+    The second launch is killed on its first attempt and torchrun restarts it (--max-restarts=1)."""
     chains = {}
     for script in ("mnist_workers.py", "mnist_stateful.py"):
         folder, kept, record = (tmp_path_factory.mktemp(name) for name in ("chain", "kept", "record"))
-        outputs = []
-        for number, what in enumerate(KILLS):
-            result = run(script, folder, tiny_mnist, what=f"{what},record-samples" if number == 0 else what, record=record)
-            outputs.append(result.stdout)
-            if number == 0:
-                assert result.returncode != 0 and not (folder / "step-00000004.pt").exists()
-                shutil.copy(folder / "step-00000002.pt", kept)
-        assert "resumed from" in outputs[1] and "epoch 0, 72 samples into it, step 2" in outputs[1], outputs[1]
-        assert "epoch 0, 144 samples into it, step 4" in outputs[2], outputs[2]
-        assert_ran(result, "over 101 images")
+        first = run(script, folder, tiny_mnist, what="kill-rank1-after-step3,record-samples", record=record)
+        assert first.returncode != 0 and not (folder / "step-00000004.pt").exists(), first.stdout
+        shutil.copy(folder / "step-00000002.pt", kept)
+        result = run(script, folder, tiny_mnist, what="kill-rank2-after-step3", restarts=1)
+        assert_ran(result, "epoch 0, 72 samples into it, step 2", "epoch 0, 144 samples into it, step 4", "over 101 images")
         chains[script] = folder, kept, record
     return chains
 
@@ -174,3 +172,87 @@ def test_a_stateful_loader_restored_mid_epoch_goes_on_with_each_workers_generato
         shifted_batches(WorkerShift(images, 2), 1, loader=StatefulDataLoader, samples_done=108)
     assert len(resumed) == len(never_stopped) - 3
     assert all(torch.equal(a, b) for a, b in zip(resumed, never_stopped[3:])) == same
+
+
+# The stream (mnist_stream.py): the tiny MNIST as 12 Parquet shards, a shuffle buffer of 8 rows per worker.
+
+def stream_run(folder, data, shards, processes=3, what="none", workers=2, restarts=0, timeout=240):
+    return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", f"--max-restarts={restarts}", CRASH, what,
+                       PIPELINE / "mnist_stream.py", "--data-dir", data, "--stream-dir", shards, "--shuffle-buffer", "8",
+                       "--batch-size", BATCH, "--num-workers", workers, "--augment", "2", "--epochs", "2",
+                       "--checkpoint-every", "2", "--checkpoint-dir", folder, "--precision", "fp32", "--dist-timeout", "20",
+                       timeout=timeout, env_extra=RESTARTABLE)
+
+
+@pytest.fixture(scope="module")
+def shards(images, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shards")
+    write_shards(images, folder)
+    return folder
+
+
+def test_a_killed_stream_resumes_exactly_with_its_shuffle_buffers(tiny_mnist, shards, tmp_path):
+    """Killed after step 3 (rank 1, its workers with rows in their buffers and batches prefetched), resumed
+    from step 2 at 3 processes: bitwise the run that never stopped."""
+    never, killed = tmp_path / "never", tmp_path / "killed"
+    assert_ran(stream_run(never, tiny_mnist, shards), "over 101 images")
+    assert_ran(stream_run(killed, tiny_mnist, shards, what="kill-rank1-after-step3", restarts=1),
+               "resumed from", "epoch 0, 72 samples into it, step 2")
+    assert bitwise_equal(final_state(killed), final_state(never))
+
+
+@pytest.mark.parametrize("what, ends", [("none", True), ("no-agreed-stop", False)])
+def test_ranks_with_unequal_shares_of_the_stream_end_the_epoch_together(images, tiny_mnist, tmp_path, what, ends):
+    """Two shards of 120 and 72 rows over 2 processes without workers: rank 1 runs out after 4 of its batches of
+    18, rank 0 has 7. With every_rank_has both end the epoch at step 4 and the run finishes. The control leaves
+    the loop on rank 1 alone: its next collective (the loss's all-reduce) meets rank 0's gradient all-reduce,
+    which gloo sees by their sizes and aborts on; a backend that does not compare sizes waits until the
+    process group's timeout (20 s here)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pixels = (images.images.squeeze(1) * 0.3081 + 0.1307).mul(255).round().clamp(0, 255).to(torch.uint8)
+    folder = tmp_path / "uneven"
+    folder.mkdir()
+    for shard, indices in enumerate([range(0, 120), range(120, 192)]):
+        pq.write_table(pa.table({"index": list(indices), "label": images.labels[list(indices)].numpy(),
+                                 "image": [pixels[i].numpy().tobytes() for i in indices]}), folder / f"train-{shard}.parquet")
+    result = stream_run(tmp_path / "run", tiny_mnist, folder, processes=2, what=what, workers=0, timeout=120)
+    if ends:
+        assert_ran(result, "epoch 1: mean training loss", "over 101 images")
+    else:
+        assert result.returncode != 0 and "over 101 images" not in result.stdout
+        assert "collective mismatch" in result.stderr, result.stderr[-3000:]  # gloo compares the sizes: 787,380 bytes vs 8
+
+
+def test_shards_that_do_not_split_over_ranks_and_workers_are_refused_in_one_sentence(shards):
+    with pytest.raises(SystemExit, match=r"holds 12 Parquet shards, which do not split evenly over 5 ranks x 2 workers; "
+                                         r"pass a --stream-dir with a multiple of 10 shards"):
+        mnist_stream(shards, 0, 5, 2)
+
+
+class Loader:
+    num_workers = 2
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+@pytest.mark.parametrize("cursor", [True, False])
+def test_a_loader_state_of_other_ranks_is_not_loaded(cursor, capsys):
+    """Map-style: said, and the run goes on from the cursor; a stream: refused, the checkpoint untouched."""
+    saved = {"num_workers": 2, "ranks": [{"rank": 0}, {"rank": 1}, {"rank": 2}]}
+    assert restore_loader(loader := Loader(), saved, 1, 3, cursor) and loader.state == {"rank": 1}
+    if cursor:
+        assert not restore_loader(Loader(), saved, 1, 2)
+        assert "3 ranks with 2 workers each do not carry over to 2 ranks with 2" in capsys.readouterr().out
+    else:
+        with pytest.raises(SystemExit, match="do not carry over to 2 ranks with 2; resume with --nproc_per_node=3"):
+            restore_loader(Loader(), saved, 1, 2, cursor)
+
+
+def test_more_workers_than_cores_per_rank_are_warned_of(capsys):
+    cores = len(os.sched_getaffinity(0))
+    warn_if_oversubscribed(cores, 1)
+    assert capsys.readouterr().err == ""
+    warn_if_oversubscribed(cores + 1, 1)
+    assert f"pass --num-workers {cores} or fewer" in capsys.readouterr().err

@@ -43,7 +43,7 @@ from common.precision import autocast, grad_scaler, resolve_precision
 from common.resume_buckets import rebuild_buckets
 from common.samplers import DistributedEvalSampler, ResumableDistributedSampler
 from common.stop_signal import StopSignal
-from common.worker_seeds import WorkerShift, seed_epoch, seed_worker
+from common.worker_seeds import WorkerShift, seed_epoch, seed_worker, warn_if_oversubscribed
 
 
 def train_epoch(model, loader, optimizer, scaler, device, precision, position, checkpoints, stop):  # STEP
@@ -108,12 +108,14 @@ def main():
     torch.manual_seed(args.seed + launch.rank)
 
     train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
+    warn_if_oversubscribed(args.num_workers, launch.local_world_size)
     train_set = WorkerShift(train_set, args.augment)
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)
-    train_loader = StatefulDataLoader(train_set, batch_size, sampler=train_sampler, collate_fn=train_set.collate,  # STEP: has a state_dict
-                              num_workers=args.num_workers, worker_init_fn=seed_worker,
-                              generator=torch.Generator(), pin_memory=pin_memory())
+    train_loader = StatefulDataLoader(  # STEP: a DataLoader with a state_dict
+        train_set, batch_size, sampler=train_sampler, collate_fn=train_set.collate,
+        num_workers=args.num_workers, worker_init_fn=seed_worker,
+        generator=torch.Generator(), pin_memory=pin_memory())
     test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set),
                                args.num_workers)
 

@@ -48,7 +48,7 @@ from common.precision import autocast, grad_scaler, resolve_precision
 from common.resume_buckets import rebuild_buckets
 from common.samplers import DistributedEvalSampler, ResumableDistributedSampler
 from common.stop_signal import StopSignal
-from common.worker_seeds import WorkerShift, seed_epoch, seed_worker
+from common.worker_seeds import WorkerShift, seed_epoch, seed_worker, warn_if_oversubscribed
 
 
 def train_epoch(model, loader, optimizer, scaler, device, precision, position, checkpoints, stop, replay):  # STEP
@@ -111,12 +111,14 @@ def main():
     torch.manual_seed(args.seed + launch.rank)
 
     train_set, test_set = load_mnist(args.data_dir, args.loader, launch.local_rank)
+    warn_if_oversubscribed(args.num_workers, launch.local_world_size)  # STEP: workers need cores too
     train_set = WorkerShift(train_set, args.augment)  # STEP: each shift drawn from the generator of the worker that loads it
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)
-    train_loader = DataLoader(train_set, batch_size, sampler=train_sampler, collate_fn=train_set.collate,  # STEP: workers start afresh each epoch
-                              num_workers=args.num_workers, worker_init_fn=seed_worker,  # STEP: each worker's generator
-                              generator=torch.Generator(), pin_memory=pin_memory())  # STEP: seeded per epoch below
+    train_loader = DataLoader(  # STEP: not persistent: each epoch's workers start from that epoch's seeds
+        train_set, batch_size, sampler=train_sampler, collate_fn=train_set.collate,  # STEP
+        num_workers=args.num_workers, worker_init_fn=seed_worker,  # STEP: each worker's own generator
+        generator=torch.Generator(), pin_memory=pin_memory())  # STEP: seeded per epoch below
     test_loader = mnist_loader(test_set, args.eval_batch_size, DistributedEvalSampler(test_set),
                                args.num_workers)
 
