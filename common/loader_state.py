@@ -14,7 +14,7 @@ import warnings
 
 import torch.distributed as dist
 
-from common.distributed import print0
+from common.distributed import print0, rank
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: F401  (the rungs import it from here)
@@ -44,12 +44,27 @@ def restore_loader(loader, saved: dict, rank: int, world_size: int, cursor: bool
     if ranks == world_size and workers == loader.num_workers:
         loader.load_state_dict(saved["ranks"][rank])
         return True
+    there = f"{counted(ranks, 'rank')} with {counted(workers, 'worker')} each"
+    here = f"{counted(world_size, 'rank')} with {loader.num_workers}"
     if not cursor:
-        sys.exit(f"error: the checkpoint holds the places in their shards of {ranks} ranks with {workers} workers "
-                 f"each, which do not carry over to {world_size} ranks with {loader.num_workers}; resume with "
-                 f"--nproc_per_node={ranks} --num-workers {workers} (per node), and change them at an epoch's end.")
-    print0(f"the loader states of {ranks} ranks with {workers} workers each do not carry "
-           f"over to {world_size} ranks with {loader.num_workers}: the epoch goes on from the checkpoint's sample "
-           "cursor, every sample once, with new worker seeds, so its augmentations differ from the run's that "
-           "never stopped", flush=True)
+        refuse(f"error: the checkpoint holds the places in their shards of {there}, which do not carry over to "
+               f"{here}; resume with --nproc_per_node={ranks} --num-workers {workers} (per node), and change them "
+               "at an epoch's end.")
+    print0(f"the loader states of {there} do not carry over to {here}: the epoch goes on from the checkpoint's "
+           "sample cursor, every sample once, with new worker seeds, so its augmentations differ from the run's "
+           "that never stopped", flush=True)
     return False
+
+
+def counted(number: int, noun: str) -> str:
+    return f"{number} {noun}{'s' if number != 1 else ''}"
+
+
+def refuse(message: str) -> None:
+    """End every rank with exit status 1 and `message` on stderr, written once: rank 0 writes it before the
+    ranks part (every rank reaches the same check at the same point), so no rank's exit cuts it short."""
+    if rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+    sys.exit(1)

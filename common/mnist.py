@@ -120,12 +120,14 @@ def torchvision_splits(data_dir: str, loader: str) -> tuple[Dataset, Dataset]:
                  f"--data-dir with a folder that holds MNIST/raw/*-ubyte, e.g. --data-dir path/to/folder.")
 
 
-def mnist_loader(dataset: Dataset, batch_size: int, sampler, num_workers: int = 0, generator=None) -> DataLoader:
+def mnist_loader(dataset: Dataset, batch_size: int, sampler, num_workers: int = 0, generator=None,
+                 worker_init_fn=None) -> DataLoader:
     """A DataLoader over either form of the dataset; the sampler decides which indices this process sees.
 
     Each iter() of a DataLoader draws a seed for its workers from `generator`, or from the global RNG
-    if there is none (even with num_workers=0), which shifts every later dropout mask."""
+    if there is none (even with num_workers=0), which shifts every later dropout mask. worker_init_fn runs
+    in each worker as it starts (the restartable rungs': leave the stop signals to the rank)."""
     collate = getattr(dataset, "collate", None)  # MNISTTensors' batches come whole
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate,
                       num_workers=num_workers, persistent_workers=num_workers > 0, generator=generator,
-                      pin_memory=pin_memory())
+                      worker_init_fn=worker_init_fn, pin_memory=pin_memory())

@@ -11,8 +11,12 @@ The processes come from a fork server: one clean process (no threads, no process
 torch once and forks each of them from itself. Spawn would start a fresh interpreter each time, which
 imports torch again (about 3 s of CPU a process). Like spawn, it is safe where the caller runs threads
 (a Jupyter kernel). A forked process inherits the server's environment, from when it started, so each
-is handed the caller's environment of the moment instead, as a spawned one would have read it.
+is handed the caller's environment of the moment instead, as a spawned one would have read it. And a
+process that multiprocessing started takes its starter's method as its own default: each is given the
+platform's default back, so that a DataLoader in it starts its workers as under torchrun (by fork, on Linux
+before Python 3.14), not through the fork server, which fails to take the dataset's tensors.
 """
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -31,6 +35,7 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "common.distributed"] 
 
 def _entry(rank, worker, world_size, port, result_path, environ, args):
     torch.set_num_threads(1)  # N processes share the machine's cores, as under torchrun
+    multiprocessing.set_start_method(None, force=True)  # the platform's default, not the fork server
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),

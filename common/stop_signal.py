@@ -7,7 +7,14 @@ ranks at different moments. So the handler only sets a flag; at each step bounda
 all-reduce (MAX) tells every rank whether any rank got a signal, and all stop at that same step.
 That flag is a CPU tensor on a gloo group: a flag on the GPU would make every step wait for the GPU
 to finish its queued work before .item() could read the answer.
+The signal reaches a rank's DataLoader workers too: torchrun signals each worker's whole process group
+(os.killpg), and so does SLURM a job step's. A DataLoader worker dies of SIGTERM (its loop installs a
+handler that reports it and re-raises), and its rank then raises "DataLoader worker ... is killed by
+signal" at its next batch, before it could save. leave_signals_to_the_rank, called in each worker (as
+its worker_init_fn or from it), makes the workers let the first pass: the rank saves and exits, and its
+exit ends its workers (multiprocessing terminates a process's daemonic children, with a second SIGTERM).
 """
+import os
 import signal
 
 import torch
@@ -15,9 +22,24 @@ import torch.distributed as dist
 
 from common.distributed import exit_process, print0
 
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def leave_signals_to_the_rank(worker_id: int | None = None) -> None:
+    """In a DataLoader worker: SIGUSR1, and the first SIGTERM, are the rank's to handle (it saves, then exits);
+    a second SIGTERM, the one multiprocessing sends a process's daemonic children as it exits, ends the worker."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    received = []
+
+    def a_second_ends_the_worker(signum, frame) -> None:
+        if received:
+            os._exit(0)
+        received.append(signum)
+    signal.signal(signal.SIGTERM, a_second_ends_the_worker)
+
 
 class StopSignal:
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
+    def __init__(self, signals=SIGNALS):
         self._received = received = [0]  # the signal this process got, 0 while none arrived
         self.signum = 0  # the signal some rank got, once the ranks have agreed on it
         self.group = None  # the gloo group the flag travels on, made at the first check

@@ -11,7 +11,6 @@ the process group's timeout. every_rank_has ends the epoch on every rank at the 
 rank has no batch.
 """
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from common.distributed import main_process_first
+from common.loader_state import refuse
 from common.mnist import MEAN, STD
 
 SHARDS = 12  # splits evenly over 1, 2, 3, 4 or 6 ranks and workers per rank together
@@ -64,9 +64,9 @@ def mnist_stream(folder: Path, rank: int, world_size: int, num_workers: int):
     files = sorted(str(path) for path in Path(folder).glob("*.parquet"))
     readers = world_size * max(num_workers, 1)
     if not files or len(files) % readers:
-        sys.exit(f"error: {folder} holds {len(files)} Parquet shards, which do not split evenly over {world_size} "
-                 f"ranks x {max(num_workers, 1)} workers; pass a --stream-dir with a multiple of {readers} shards, "
-                 "or another --nproc_per_node or --num-workers.")
+        refuse(f"error: {folder} holds {len(files)} Parquet shards, which do not split evenly over {world_size} "
+               f"ranks x {max(num_workers, 1)} workers; pass a --stream-dir with a multiple of {readers} shards, "
+               "or another --nproc_per_node or --num-workers.")
     stream = load_dataset("parquet", data_files=files, split="train", streaming=True)
     return split_dataset_by_node(stream, rank=rank, world_size=world_size)  # whole shards: rank r takes r, r + N, ...
 

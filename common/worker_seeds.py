@@ -23,6 +23,8 @@ import sys
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from common.stop_signal import leave_signals_to_the_rank
+
 
 def loader_seed(seed: int, rank: int, epoch: int) -> int:
     """One number per (seed, rank, epoch): ranks and epochs differ, a rerun is the same."""
@@ -48,7 +50,9 @@ def seed_epoch(loader, seed: int, rank: int, epoch: int) -> None:
 
 
 def seed_worker(worker_id: int) -> None:
-    """worker_init_fn: this worker's generator, from the seed the DataLoader gave the worker (base + id)."""
+    """worker_init_fn: this worker's generator, from the seed the DataLoader gave the worker (base + id); and
+    SIGTERM and SIGUSR1 left to the rank, which saves before it stops (common/stop_signal.py)."""
+    leave_signals_to_the_rank()
     info = get_worker_info()
     info.dataset.generator = torch.Generator().manual_seed(info.seed)
 

@@ -24,7 +24,7 @@ TEST_IMAGES = 101  # divides by neither 2 nor 3 processes
 # a file's module fixtures, such as the SLURM cluster, are made once), handed out in collection order.
 # The files that take longest (measured on a 2-core CPU) go first, so that no worker is left running one of
 # them alone at the end.
-LONGEST_FIRST = ["test_resume.py", "test_fault_tolerant.py", "test_slurm.py", "test_gpu_paths.py", "test_deepspeed_rungs.py",
+LONGEST_FIRST = ["test_resume.py", "test_fault_tolerant.py", "test_slurm.py", "test_gpu_paths.py", "test_deepspeed_rungs.py", "test_data_pipeline.py",
                  "test_lessons.py", "test_debugging.py", "test_benchmarks.py", "test_nli_scripts.py", "test_mnist_scripts.py",
                  "test_notebooks.py", "test_deepspeed.py", "test_compile.py"]
 

@@ -7,6 +7,8 @@ WHAT is comma-separated:
   kill-rank<R>-in-save<K>      rank R dies in its K-th checkpoint save, after the temporary file is
                                written and before the rename puts it in place
   term-rank<R>-after-step<K>   rank R (only) gets SIGTERM right after its K-th optimizer step
+  termgroup-rank<R>-after-step<K>  rank R's process group (the rank and its DataLoader workers) gets SIGTERM, as
+                               torchrun and SLURM send it
   slow-first-run               0.3 s more per step until a restart or requeue, so that a test can
                                interrupt a tiny run while it still trains
   forget-rng                   negative control: a resume does not restore the random state
@@ -108,13 +110,14 @@ if __name__ == "__main__":
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
     rank = os.environ.get("RANK", "0")
     for item in what:
-        killing = re.fullmatch(r"(kill|term)-rank(\d+)-(after-step|in-save)(\d+)", item)
+        killing = re.fullmatch(r"(kill|term|termgroup)-rank(\d+)-(after-step|in-save)(\d+)", item)
         if killing and first_attempt and killing.group(2) == rank:
             how, when, count = killing.group(1), killing.group(3), int(killing.group(4))
             if when == "in-save":
                 kill_in_save(count)
             else:
-                after_step(count, die if how == "kill" else lambda: os.kill(os.getpid(), signal.SIGTERM))
+                after_step(count, {"kill": die, "term": lambda: os.kill(os.getpid(), signal.SIGTERM),
+                                   "termgroup": lambda: os.killpg(os.getpgid(0), signal.SIGTERM)}[how])
         elif item == "slow-first-run" and first_attempt:
             register_optimizer_step_post_hook(lambda optimizer, args, kwargs: time.sleep(0.3))
         elif item == "forget-rng":

@@ -39,6 +39,16 @@ def test_mnist_speed_downloads_a_missing_dataset_first_and_names_the_flag_where_
     assert_clear_error(result, "could not be downloaded", "--data-dir")
 
 
+def test_loader_speed_prints_a_table_and_a_plot(run_command, tiny_mnist, tmp_path):
+    plot = tmp_path / "loader.png"
+    result = run_command(PYTHON, "benchmarks/loader_speed.py", "--data-dir", tiny_mnist, "--ranks", "2", "--workers", "1",
+                         "--steps", "2", "--plot", plot, timeout=300)
+    assert_table_and_plot(result, plot)
+    rows = [line.split(" | ")[1] for line in result.stdout.splitlines() if line.startswith("| 2 | ")]
+    assert rows == ["compute alone", "1"], result.stdout  # and no pin_memory row: no accelerator here
+    assert "pin_memory has nothing to pin" in result.stdout
+
+
 def test_mnist_floor(run_command):
     result = run_command(PYTHON, "benchmarks/mnist_floor.py", "--train-seconds", "100")
     assert_table_and_plot(result, None, "training FLOPs per image", "fastest possible fp32 epoch")

@@ -11,6 +11,8 @@ The traps and their fixes are shown on the loaders themselves, in this process, 
 """
 import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -79,13 +81,15 @@ def test_another_world_size_trains_every_sample_of_the_epoch_once(killed_twice, 
     """3 -> 2 -> 3 processes over epoch 0: mnist_stateful.py's step-2 checkpoint of 3 ranks goes on at 2 (SIGTERM
     after 2 steps: a checkpoint at step 4), then at 3 to the end. The loader states do not fit, the run says so
     and goes on from the global cursor: the samples of epoch 0, counted by index over all ranks, are each
-    trained on once (steps 1-2 at 3 ranks, 3-4 at 2, 5-6 at 3; step 6 is the epoch's last, 12 images)."""
+    trained on once (steps 1-2 at 3 ranks, 3-4 at 2, 5-6 at 3; step 6 is the epoch's last, 12 images). The stop
+    at 2 is SIGTERM to rank 0's process group, its DataLoader workers with it, as torchrun and SLURM send it:
+    the workers leave it to the rank, which saves."""
     _, kept, first = killed_twice["mnist_stateful.py"]
     folder, at_2, at_3 = tmp_path / "folder", tmp_path / "at-2", tmp_path / "at-3"
     for made in (folder, at_2, at_3):
         made.mkdir()
     shutil.copy(kept / "step-00000002.pt", folder)
-    result = run("mnist_stateful.py", folder, tiny_mnist, 2, "record-samples,term-rank0-after-step2", at_2)
+    result = run("mnist_stateful.py", folder, tiny_mnist, 2, "record-samples,termgroup-rank0-after-step2", at_2)
     assert "stopped by SIGTERM at step 4" in result.stdout, result.stderr[-3000:]
     assert "the loader states of 3 ranks with 2 workers each do not carry over to 2 ranks with 2" in result.stdout
     assert_ran(run("mnist_stateful.py", folder, tiny_mnist, 3, "record-samples", at_3),
@@ -224,10 +228,11 @@ def test_ranks_with_unequal_shares_of_the_stream_end_the_epoch_together(images, 
         assert "collective mismatch" in result.stderr, result.stderr[-3000:]  # gloo compares the sizes: 787,380 bytes vs 8
 
 
-def test_shards_that_do_not_split_over_ranks_and_workers_are_refused_in_one_sentence(shards):
-    with pytest.raises(SystemExit, match=r"holds 12 Parquet shards, which do not split evenly over 5 ranks x 2 workers; "
-                                         r"pass a --stream-dir with a multiple of 10 shards"):
+def test_shards_that_do_not_split_over_ranks_and_workers_are_refused_in_one_sentence(shards, capsys):
+    with pytest.raises(SystemExit):
         mnist_stream(shards, 0, 5, 2)
+    assert "holds 12 Parquet shards, which do not split evenly over 5 ranks x 2 workers; pass a --stream-dir with a " \
+           "multiple of 10 shards" in capsys.readouterr().err
 
 
 class Loader:
@@ -246,8 +251,9 @@ def test_a_loader_state_of_other_ranks_is_not_loaded(cursor, capsys):
         assert not restore_loader(Loader(), saved, 1, 2)
         assert "3 ranks with 2 workers each do not carry over to 2 ranks with 2" in capsys.readouterr().out
     else:
-        with pytest.raises(SystemExit, match="do not carry over to 2 ranks with 2; resume with --nproc_per_node=3"):
+        with pytest.raises(SystemExit):
             restore_loader(Loader(), saved, 1, 2, cursor)
+        assert "do not carry over to 2 ranks with 2; resume with --nproc_per_node=3" in capsys.readouterr().err
 
 
 def test_more_workers_than_cores_per_rank_are_warned_of(capsys):
@@ -256,3 +262,26 @@ def test_more_workers_than_cores_per_rank_are_warned_of(capsys):
     assert capsys.readouterr().err == ""
     warn_if_oversubscribed(cores + 1, 1)
     assert f"pass --num-workers {cores} or fewer" in capsys.readouterr().err
+
+
+def batches_after_a_sigterm_to_the_workers(images, init):
+    loader = DataLoader(WorkerShift(images, 2), 12, collate_fn=images.collate, num_workers=2, worker_init_fn=init,
+                        generator=torch.Generator())
+    batches = iter(loader)
+    first = next(batches)
+    for pid in batches._worker_pids_set and [worker.pid for worker in batches._workers]:
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(0.5)
+    return [first, *batches]
+
+
+@pytest.mark.parametrize("init, survives", [(seed_worker, True), (None, False)])
+def test_workers_leave_sigterm_to_their_rank(images, init, survives):
+    """torchrun and SLURM signal a rank's whole process group. seed_worker's workers ignore SIGTERM and the epoch
+    goes on (the rank, which handles it, saves and stops at the next step); the control, workers as the
+    DataLoader makes them, die of it, and the rank's next batch raises."""
+    if survives:
+        assert len(batches_after_a_sigterm_to_the_workers(images, init)) == IMAGES // 12
+    else:
+        with pytest.raises(RuntimeError, match=r"DataLoader worker .*(killed by signal: Terminated|exited unexpectedly)"):
+            batches_after_a_sigterm_to_the_workers(images, init)

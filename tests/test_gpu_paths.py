@@ -410,6 +410,7 @@ def test_gpu_check_cpu_runs_every_row_and_writes_the_page(run_command, tmp_path)
     text = page.read_text()
     assert_every_row_measured(text, load_gpu_check(), data)
     assert "`tests/test_gpu.py`: not run" in text and "the CPU (`--cpu`" in text
+    assert re.search(r"^\| 1 \| 1 \| no \| [\d.]+ \| [\d,]+ \| [\d,]+ \| \d+% \|$", text, re.MULTILINE), text  # the loader's row
     own = (ROOT / "docs" / "gpu_results.md").read_text()
     assert text.split("<!-- gpu-check results -->")[0] == own.split("<!-- gpu-check results -->")[0]
     assert text.split("<!-- end gpu-check results -->")[1] == own.split("<!-- end gpu-check results -->")[1]

@@ -113,7 +113,8 @@ def uninterrupted(tiny_mnist, tmp_path_factory):
 @pytest.mark.parametrize("what, resumed_at", [
     ("kill-rank1-after-step10", "step-00000008.pt: epoch 1, 66 samples into it, step 8"),  # mid-epoch, no warning
     ("kill-rank0-in-save2", "step-00000004.pt: epoch 0, 132 samples into it, step 4"),  # the step-8 file never lands
-    ("term-rank0-after-step6", "step-00000006.pt: epoch 1, 0 samples into it, step 6"),  # rank 1 got no signal
+    # rank 0's process group, its 2 DataLoader workers with it, as torchrun and SLURM send it; rank 1 got none
+    ("termgroup-rank0-after-step6", "step-00000006.pt: epoch 1, 0 samples into it, step 6"),
 ])
 def test_killed_run_resumes_bitwise(uninterrupted, tiny_mnist, tmp_path, what, resumed_at):
     result = run(tmp_path, tiny_mnist, what)

@@ -1,9 +1,13 @@
 """common/spawn.py's processes meet however busy the machine's ports are: the rendezvous store is bound by
 the parent to a port the kernel picks, so no other process can take the port between its choice and its bind.
-They come from a fork server, and still read the caller's environment of the moment, as spawned ones would."""
+They come from a fork server, and still read the caller's environment of the moment, as spawned ones would,
+and start processes of their own as a process that torchrun started does."""
 import multiprocessing
 import os
 import socket
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 import common.distributed
 import common.spawn
@@ -44,3 +48,16 @@ def test_the_processes_read_the_callers_environment_of_the_moment(monkeypatch, t
     process.start()
     process.join(timeout=60)
     assert (tmp_path / "seen").read_text() == "None"
+
+
+def load_with_a_worker(rank, world_size):
+    images = torch.arange(64.0).view(16, 4) + 0.5  # a dataset the worker gets a copy of
+    loaded = torch.cat([batch for batch, in DataLoader(TensorDataset(images), 4, num_workers=1)])
+    return multiprocessing.get_start_method(), torch.equal(loaded, images)
+
+
+def test_a_dataloader_in_the_processes_starts_its_workers_as_under_torchrun():
+    """The processes' own default start method is the platform's, as in a process torchrun started, so a
+    DataLoader forks its worker there (on Linux before 3.14) and loads the batches. Without the reset, the
+    default is the fork server's, whose server fails to rebuild the dataset's tensors (unable to resize file)."""
+    assert run_in_process_group(load_with_a_worker, 2, timeout=60) == (multiprocessing.get_context().get_start_method(), True)

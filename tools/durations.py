@@ -45,6 +45,7 @@ CHAPTERS = {  # the page each test file proves, in the site's order; a file in n
     "Inside DDP": ["test_allreduce", "test_bucketing", "test_accumulation"],
     "When the model does not fit": ["test_zero", "test_fsdp"],
     "Jobs that fail and come back": ["test_resume", "test_resume_parts", "test_reshard", "test_augment", "test_uneven"],
+    "Data that resumes exactly": ["test_data_pipeline"],
     "DeepSpeed and the Trainer": ["test_deepspeed", "test_deepspeed_rungs", "test_nli_trainer"],
     "Reductions done right": ["test_reductions", "test_reductions_demo"],
     "HSDP": ["test_hsdp"],

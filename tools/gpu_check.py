@@ -10,7 +10,9 @@ mnist_4_accelerate.py under accelerate launch with 1 process; then the training 
 BERT-base-sized classifier (BertConfig's defaults: 12 layers, hidden 768, random weights, nothing
 downloaded) at global batch 128 and 128 tokens, in fp32, bf16 and fp16, after a warm-up, with the peak
 GPU memory (torch.cuda.max_memory_allocated), each beside what planner.plan predicts for it on the GPU's
-preset (the plan's GPU row: benchmarks/plan_check.py checks it on CPU processes).
+preset (the plan's GPU row: benchmarks/plan_check.py checks it on CPU processes); last, whether the
+input pipeline keeps up with one GPU: benchmarks/loader_speed.py's table at 1 rank for 0 to 4 DataLoader
+workers, with and without pin_memory.
 
 A row that fails is written as failed, with its one-line reason, and the others still run; the page is
 always written, and the command then exits non-zero. Without a GPU it says so in one sentence and exits 0;
@@ -161,6 +163,20 @@ def bert_rows(device: torch.device, toy: bool = False) -> dict[str, dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def loader_rows(data_dir: str, toy: bool = False) -> dict:
+    """benchmarks/loader_speed.py at 1 rank, as a user runs it: its table's lines, or why it failed."""
+    command = [sys.executable, "benchmarks/loader_speed.py", "--data-dir", str(data_dir), "--ranks", "1",
+               *(["--workers", "1", "--steps", "2"] if toy else ["--workers", "0", "1", "2", "4"])]
+    print(f"running: {' '.join(command)}", flush=True)
+    try:
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    except FAILED as error:
+        return {"failed": one_line(error)}
+    if result.returncode:
+        return {"failed": one_line(RuntimeError((result.stderr.strip().splitlines() or ["no output"])[-1]))}
+    return {"lines": [line for line in result.stdout.splitlines() if line.startswith("|")]}
 
 
 def bert_base_row(precision: str, device: torch.device, config=None, batch: int = 128, tokens: int = 128,
@@ -357,7 +373,8 @@ def bert_table(bert: dict, device: str, toy: bool = False) -> list[str]:
 RESULTS_START, RESULTS_END = "<!-- gpu-check results -->", "<!-- end gpu-check results -->"
 
 
-def results(tests: str, mnist: dict, bert: dict, device: str, seconds: float, cpu: bool = False) -> str:
+def results(tests: str, mnist: dict, bert: dict, device: str, seconds: float, cpu: bool = False,
+            loader: dict | None = None) -> str:
     where = (f"Device: {device}, the CPU (`--cpu`: every row's code path at toy size; a check, not a measurement)."
              if cpu else f"Device: {device}, one GPU.")
     lines = ["## Results", "",
@@ -373,7 +390,13 @@ def results(tests: str, mnist: dict, bert: dict, device: str, seconds: float, cp
             lines.append(f"| {name} | {cell} | failed: {r['failed']} | | |")
         else:
             lines.append(f"| {name} | {cell} | {r['seconds']:.1f} | {r['samples_per_s']:.0f} | {r['accuracy']:.2f}% |")
-    lines += ["", *bert_table(bert, device, toy=cpu), "", f"The whole check took {seconds / 60:.1f} minutes."]
+    lines += ["", *bert_table(bert, device, toy=cpu)]
+    if loader is not None:
+        lines += ["", "Does the input pipeline keep up? [`benchmarks/loader_speed.py`](../benchmarks/loader_speed.py) at 1 "
+                  "rank: the MNIST step fed by 0 to 4 DataLoader workers (classic per-sample loader), beside the step "
+                  "alone and the loader alone ([Data that resumes exactly](data_pipeline.md#feeding-the-device)).", "",
+                  *loader.get("lines", [f"failed: {loader.get('failed')}"])]
+    lines += ["", f"The whole check took {seconds / 60:.1f} minutes."]
     return "\n".join(lines) + "\n"
 
 
@@ -387,9 +410,10 @@ def write_results(path: Path, section: str) -> None:
     path.write_text(section)
 
 
-def failed_rows(mnist: dict, bert: dict) -> list[str]:
+def failed_rows(mnist: dict, bert: dict, loader: dict | None = None) -> list[str]:
     return [f"{name} ({precision})" for (name, precision), r in mnist.items() if "failed" in r] + \
-           [f"BERT-base {precision}" for precision, r in bert.items() if "failed" in r]
+           [f"BERT-base {precision}" for precision, r in bert.items() if "failed" in r] + \
+           (["the loader benchmark"] if loader and "failed" in loader else [])
 
 
 def main(argv=None):
@@ -424,10 +448,11 @@ def main(argv=None):
         output = output if problem else ""  # the end of pytest's output where it did not pass
     mnist = mnist_rows(args.data_dir, device, jobs=2 if args.cpu else 1)  # --cpu: 2 at once, a 2-core CPU's
     bert = bert_rows(device, toy=args.cpu)
+    loader = loader_rows(args.data_dir, toy=args.cpu)
     name = machine_name(torch.device("cuda", 0) if device.type == "cuda" else None)
-    write_results(args.output, results(tests, mnist, bert, name, time.perf_counter() - start, cpu=args.cpu))
+    write_results(args.output, results(tests, mnist, bert, name, time.perf_counter() - start, cpu=args.cpu, loader=loader))
     print(args.output.read_text())
-    failed = failed_rows(mnist, bert)
+    failed = failed_rows(mnist, bert, loader)
     if failed:
         problems.append(f"{len(failed)} row(s) failed, each written with its reason: {', '.join(failed)}.")
     if problems:

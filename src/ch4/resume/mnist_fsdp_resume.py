@@ -60,7 +60,7 @@ from common.mnist import BasicNet, load_mnist, mnist_loader
 from common.precision import autocast, grad_scaler, resolve_precision
 from common.samplers import DistributedEvalSampler, ResumableDistributedSampler
 from common.sharded_checkpoint import ShardedCheckpoints
-from common.stop_signal import StopSignal
+from common.stop_signal import StopSignal, leave_signals_to_the_rank
 
 
 def train_epoch(model, loader, optimizer, scaler, device, precision, position, checkpoints, stop):  # STEP
@@ -127,7 +127,8 @@ def main():
     train_set = RandomShift(train_set, args.augment, seed=args.seed)  # STEP: in the workers; each sample's shift from (seed, epoch, index)
     batch_size = per_process_batch(args.batch_size, launch.world_size)
     train_sampler = ResumableDistributedSampler(train_set, batch_size, seed=args.seed)  # STEP: can start mid-epoch
-    train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator())  # STEP: not the global RNG
+    train_loader = mnist_loader(train_set, batch_size, train_sampler, args.num_workers, torch.Generator(),  # STEP: not the global RNG
+                                worker_init_fn=leave_signals_to_the_rank)  # STEP: its workers get the stop signal too
     test_loader = mnist_loader(test_set, args.eval_batch_size,
                                DistributedSampler(test_set, shuffle=False), args.num_workers)
     unpadded = len(DistributedEvalSampler(test_set))
