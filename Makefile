@@ -76,7 +76,7 @@ benchmark: $(VENV)/.installed
 	$(BIN)/python benchmarks/mnist_speed.py --data-dir $(DATA_DIR) --plot images/mnist_speed_cpu.png
 
 # Schematics (SVG) are byte-stable: tests/test_figures.py redraws them and compares bytes.
-FIGURES := ring_allreduce allreduce_algorithms bucket_assignment accumulation_syncs dp_vs_ddp zero_stages ddp_step_lanes resume_sequence hsdp_mesh overlap_timeline step_time_breakdown compile_breakdown simulate_memory
+FIGURES := ring_allreduce allreduce_algorithms bucket_assignment accumulation_syncs dp_vs_ddp zero_stages ddp_step_lanes resume_sequence worker_seeds hsdp_mesh overlap_timeline step_time_breakdown compile_breakdown simulate_memory
 
 figures: $(VENV)/.installed
 	for figure in $(FIGURES); do $(BIN)/python figures/$$figure.py || exit 1; done

@@ -6,8 +6,8 @@ and each worker's own state, the dataset's state_dict() as that worker last sent
 generator, common/worker_seeds.py). It is one rank's and holds one entry a worker: it resumes the same
 rank with the same number of workers, and nothing else. So every rank's is gathered to rank 0 for the
 checkpoint, and a run at another world size or with another --num-workers goes on from the checkpoint's
-global sample cursor instead (common/samplers.py), with new worker seeds: every sample of the epoch
-once, but other augmentations than an uninterrupted run would have drawn.
+global sample cursor instead (common/samplers.py), its workers' generators started afresh there: every
+sample of the epoch once, but other augmentations than an uninterrupted run would have drawn.
 """
 import sys
 import warnings
@@ -51,8 +51,8 @@ def restore_loader(loader, saved: dict, rank: int, world_size: int, cursor: bool
                f"{here}; resume with --nproc_per_node={ranks} --num-workers {workers} (per node), and change them "
                "at an epoch's end.")
     print0(f"the loader states of {there} do not carry over to {here}: the epoch goes on from the checkpoint's "
-           "sample cursor, every sample once, with new worker seeds, so its augmentations differ from the run's "
-           "that never stopped", flush=True)
+           "sample cursor, every sample once, its workers' generators started afresh there, so its augmentations "
+           "differ from the run's that never stopped", flush=True)
     return False
 
 

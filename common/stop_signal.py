@@ -9,8 +9,8 @@ That flag is a CPU tensor on a gloo group: a flag on the GPU would make every st
 to finish its queued work before .item() could read the answer.
 The signal reaches a rank's DataLoader workers too: torchrun signals each worker's whole process group
 (os.killpg), and so does SLURM a job step's. A DataLoader worker dies of SIGTERM (its loop installs a
-handler that reports it and re-raises), and its rank then raises "DataLoader worker ... is killed by
-signal" at its next batch, before it could save. leave_signals_to_the_rank, called in each worker (as
+handler that reports it and re-raises), and its rank's SIGCHLD handler then raises "DataLoader worker ...
+is killed by signal" wherever the rank is, before it could save. leave_signals_to_the_rank, called in each worker (as
 its worker_init_fn or from it), makes the workers let the first pass: the rank saves and exits, and its
 exit ends its workers (multiprocessing terminates a process's daemonic children, with a second SIGTERM).
 """

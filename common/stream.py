@@ -43,16 +43,19 @@ def shards_in(folder: str, train_set, local_rank: int) -> Path:
     return folder
 
 
-def write_shards(train_set, folder: Path, shards: int = SHARDS) -> None:
-    """The training images, labels and indices as `shards` Parquet files of (nearly) equal length."""
+def write_shards(train_set, folder: Path, sizes: list[int] | None = None) -> None:
+    """The training images, labels and indices as Parquet files: SHARDS of (nearly) equal length, or one a size
+    in `sizes`, in order (a test's unequal shards)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     pixels = (train_set.images.squeeze(1) * STD + MEAN).mul(255).round().clamp(0, 255).to(torch.uint8)
+    cuts = np.cumsum(sizes)[:-1] if sizes else SHARDS
+    shards = np.array_split(np.arange(sum(sizes) if sizes else len(train_set)), cuts)
     folder.mkdir(parents=True, exist_ok=True)
-    for shard, indices in enumerate(np.array_split(np.arange(len(train_set)), shards)):
+    for shard, indices in enumerate(shards):
         table = pa.table({"index": indices, "label": train_set.labels[indices].numpy(),
                           "image": [pixels[i].numpy().tobytes() for i in indices]})
-        pq.write_table(table, folder / f"train-{shard:05d}-of-{shards:05d}.parquet.tmp")
+        pq.write_table(table, folder / f"train-{shard:05d}-of-{len(shards):05d}.parquet.tmp")
     for temporary in folder.glob("*.parquet.tmp"):  # all or nothing: a reader sees no half-written folder
         temporary.rename(temporary.with_suffix(""))
 

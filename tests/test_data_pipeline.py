@@ -196,12 +196,14 @@ def shards(images, tmp_path_factory):
 
 
 def test_a_killed_stream_resumes_exactly_with_its_shuffle_buffers(tiny_mnist, shards, tmp_path):
-    """Killed after step 3 (rank 1, its workers with rows in their buffers and batches prefetched), resumed
-    from step 2 at 3 processes: bitwise the run that never stopped."""
+    """Killed after step 3 (rank 1, its workers with rows in their buffers and batches prefetched) and resumed
+    from step 2, then killed after step 7 and resumed from step 6, the epoch's last (its loader state: nothing
+    left; the epoch ends at once), at 3 processes: bitwise the run that never stopped."""
     never, killed = tmp_path / "never", tmp_path / "killed"
     assert_ran(stream_run(never, tiny_mnist, shards), "over 101 images")
-    assert_ran(stream_run(killed, tiny_mnist, shards, what="kill-rank1-after-step3", restarts=1),
-               "resumed from", "epoch 0, 72 samples into it, step 2")
+    assert stream_run(killed, tiny_mnist, shards, what="kill-rank1-after-step3").returncode != 0
+    assert_ran(stream_run(killed, tiny_mnist, shards, what="kill-rank1-after-step5", restarts=1),
+               "epoch 0, 72 samples into it, step 2", f"resumed from {killed}/step-00000006.pt: epoch 0,")
     assert bitwise_equal(final_state(killed), final_state(never))
 
 
@@ -212,14 +214,8 @@ def test_ranks_with_unequal_shares_of_the_stream_end_the_epoch_together(images, 
     the loop on rank 1 alone: its next collective (the loss's all-reduce) meets rank 0's gradient all-reduce,
     which gloo sees by their sizes and aborts on; a backend that does not compare sizes waits until the
     process group's timeout (20 s here)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    pixels = (images.images.squeeze(1) * 0.3081 + 0.1307).mul(255).round().clamp(0, 255).to(torch.uint8)
     folder = tmp_path / "uneven"
-    folder.mkdir()
-    for shard, indices in enumerate([range(0, 120), range(120, 192)]):
-        pq.write_table(pa.table({"index": list(indices), "label": images.labels[list(indices)].numpy(),
-                                 "image": [pixels[i].numpy().tobytes() for i in indices]}), folder / f"train-{shard}.parquet")
+    write_shards(images, folder, sizes=[120, 72])
     result = stream_run(tmp_path / "run", tiny_mnist, folder, processes=2, what=what, workers=0, timeout=120)
     if ends:
         assert_ran(result, "epoch 1: mean training loss", "over 101 images")

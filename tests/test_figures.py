@@ -30,6 +30,7 @@ import resume_sequence  # noqa: E402
 import ring_allreduce  # noqa: E402
 import simulate_memory  # noqa: E402
 import step_time_breakdown  # noqa: E402
+import worker_seeds  # noqa: E402
 import zero_stages  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -257,7 +258,7 @@ def test_every_figure_is_committed():
     for name in ("ring_allreduce.svg", "ring_allreduce.gif", "allreduce_algorithms.svg", "overlap_timeline.png",
                  "bucket_assignment.svg", "accumulation_syncs.svg", "step_time_breakdown.png", "allreduce_busbw.png",
                  "compile_breakdown.png", "dp_vs_ddp.svg", "zero_stages.svg", "zero_stages.png", "ddp_step_lanes.svg",
-                 "resume_sequence.svg", "hsdp_mesh.svg", "simulate_memory.png"):
+                 "resume_sequence.svg", "worker_seeds.svg", "hsdp_mesh.svg", "simulate_memory.png"):
         assert (ROOT / "images" / name).stat().st_size > 0, name
 
 
@@ -268,10 +269,18 @@ def test_zero_stages_figure_is_byte_stable(tmp_path):
 
 
 @pytest.mark.parametrize("figure, name", [(ddp_step_lanes, "ddp_step_lanes.svg"), (resume_sequence, "resume_sequence.svg"),
-                                          (hsdp_mesh, "hsdp_mesh.svg")])
+                                          (hsdp_mesh, "hsdp_mesh.svg"), (worker_seeds, "worker_seeds.svg")])
 def test_drawn_schematics_are_byte_stable(figure, name, tmp_path):
     figure.draw(tmp_path / name)
     assert_same_bytes(tmp_path / name, ROOT / "images" / name)
+
+
+def test_the_worker_seeds_figure_shows_what_the_workers_draw():
+    """Seeded by the rungs, the four workers of two ranks draw four different lists of shifts; with one generator made
+    in __init__ (the figure's right half), all four draw the same."""
+    seeded = [tuple(drawn) for rank in (0, 1) for drawn in map(tuple, worker_seeds.shifts(rank, True))]
+    trap = [tuple(drawn) for rank in (0, 1) for drawn in map(tuple, worker_seeds.shifts(rank, False))]
+    assert len(set(seeded)) == 4 and len(set(trap)) == 1
 
 
 def test_the_step_lanes_overlap_all_but_the_last_bucket():

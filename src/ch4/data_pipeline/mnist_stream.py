@@ -74,7 +74,7 @@ def train_epoch(model, loader, optimizer, scaler, device, precision, position, c
             checkpoints.save(position, training_state(model, optimizer, scaler, loader))
         if stop.signum:
             stop.exit(position.step)
-    return loss_sum.item() / (position.step - start)
+    return loss_sum.item() / max(position.step - start, 1)  # STEP: a checkpoint at the epoch's last step resumes to none
 
 
 def training_state(model, optimizer, scaler, loader) -> dict:
