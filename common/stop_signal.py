@@ -7,12 +7,12 @@ ranks at different moments. So the handler only sets a flag; at each step bounda
 all-reduce (MAX) tells every rank whether any rank got a signal, and all stop at that same step.
 That flag is a CPU tensor on a gloo group: a flag on the GPU would make every step wait for the GPU
 to finish its queued work before .item() could read the answer.
-The signal reaches a rank's DataLoader workers too: torchrun signals each worker's whole process group
-(os.killpg), and so does SLURM a job step's. A DataLoader worker dies of SIGTERM (its loop installs a
-handler that reports it and re-raises), and its rank's SIGCHLD handler then raises "DataLoader worker ...
-is killed by signal" wherever the rank is, before it could save. leave_signals_to_the_rank, called in each worker (as
-its worker_init_fn or from it), makes the workers let the first pass: the rank saves and exits, and its
-exit ends its workers (multiprocessing terminates a process's daemonic children, with a second SIGTERM).
+The signal reaches a rank's DataLoader workers too: torchrun signals each rank's whole process group
+(os.killpg). A DataLoader worker dies of SIGTERM (its loop installs a handler that reports it and
+re-raises), and its rank's SIGCHLD handler then raises "DataLoader worker ... is killed by signal"
+wherever the rank is, before it could save. leave_signals_to_the_rank, each worker's worker_init_fn (or
+called from it), moves the worker into a process group of its own. A scheduler that signals every process
+of a job (SLURM, where its process tracking is by cgroup) still reaches the workers.
 """
 import os
 import signal
@@ -26,16 +26,10 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def leave_signals_to_the_rank(worker_id: int | None = None) -> None:
-    """In a DataLoader worker: SIGUSR1, and the first SIGTERM, are the rank's to handle (it saves, then exits);
-    a second SIGTERM, the one multiprocessing sends a process's daemonic children as it exits, ends the worker."""
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    received = []
-
-    def a_second_ends_the_worker(signum, frame) -> None:
-        if received:
-            os._exit(0)
-        received.append(signum)
-    signal.signal(signal.SIGTERM, a_second_ends_the_worker)
+    """In a DataLoader worker (its worker_init_fn): a process group of its own, out of reach of a signal sent to
+    the rank's group. The worker still ends with its rank: the DataLoader shuts it down, or multiprocessing
+    terminates it as the rank exits, or it sees its parent gone."""
+    os.setpgrp()
 
 
 class StopSignal:

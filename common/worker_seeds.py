@@ -51,7 +51,7 @@ def seed_epoch(loader, seed: int, rank: int, epoch: int) -> None:
 
 def seed_worker(worker_id: int) -> None:
     """worker_init_fn: this worker's generator, from the seed the DataLoader gave the worker (base + id); and
-    SIGTERM and SIGUSR1 left to the rank, which saves before it stops (common/stop_signal.py)."""
+    a stop signal sent to the rank's process group left to the rank, which saves first (common/stop_signal.py)."""
     leave_signals_to_the_rank()
     info = get_worker_info()
     info.dataset.generator = torch.Generator().manual_seed(info.seed)
