@@ -50,8 +50,8 @@ def seed_epoch(loader, seed: int, rank: int, epoch: int) -> None:
 
 
 def seed_worker(worker_id: int) -> None:
-    """worker_init_fn: this worker's generator, from the seed the DataLoader gave the worker (base + id); and
-    a stop signal sent to the rank's process group left to the rank, which saves first (common/stop_signal.py)."""
+    """worker_init_fn: this worker's generator, from the seed the DataLoader gave the worker (base + id);
+    and a process group of its own, so that a stop signal to the rank's group is the rank's alone."""
     leave_signals_to_the_rank()
     info = get_worker_info()
     info.dataset.generator = torch.Generator().manual_seed(info.seed)
