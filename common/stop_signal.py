@@ -14,8 +14,10 @@ wherever the rank is, before it could save. leave_signals_to_the_rank, each work
 called from it), moves the worker into a process group of its own. A scheduler that signals every process
 of a job (SLURM, where its process tracking is by cgroup) still reaches the workers.
 """
+import ctypes
 import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -23,13 +25,19 @@ import torch.distributed as dist
 from common.distributed import exit_process, print0
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PR_SET_PDEATHSIG = 1  # prctl's option, from <linux/prctl.h>
 
 
 def leave_signals_to_the_rank(worker_id: int | None = None) -> None:
     """In a DataLoader worker (its worker_init_fn): a process group of its own, out of reach of a signal sent to
-    the rank's group. The worker still ends with its rank: the DataLoader shuts it down, or multiprocessing
-    terminates it as the rank exits, or it sees its parent gone."""
+    the rank's group. The worker still ends with its rank: the DataLoader shuts it down, multiprocessing
+    terminates it as the rank exits, and on Linux the kernel kills it the moment its rank dies. That last one
+    matters once the worker is out of the group: torchrun's SIGKILL after its grace period goes to the group,
+    and a worker outliving a killed rank would hold the rank's sockets open, so the other ranks would wait on
+    them until the worker's own check that its parent lives (every 5 s) ended it."""
     os.setpgrp()
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class StopSignal:

@@ -71,7 +71,8 @@ def mnist_stream(folder: Path, rank: int, world_size: int, num_workers: int):
                f"ranks x {max(num_workers, 1)} workers; pass a --stream-dir with a multiple of {readers} shards, "
                "or another --nproc_per_node or --num-workers.")
     stream = load_dataset("parquet", data_files=files, split="train", streaming=True)
-    return split_dataset_by_node(stream, rank=rank, world_size=world_size)  # whole shards: rank r takes r, r + N, ...
+    # whole shards: rank r takes r, r + N, ... of each epoch's order (datasets shuffles it from epoch 1 on)
+    return split_dataset_by_node(stream, rank=rank, world_size=world_size)
 
 
 class ShuffleBuffer(IterableDataset):

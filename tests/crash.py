@@ -1,4 +1,4 @@
-"""Run a chapter script unchanged, and SIGKILL this process at a chosen point of torchrun's first attempt.
+"""Run a chapter script unchanged, and SIGKILL this process at a chosen point of one of torchrun's attempts.
 
     torchrun --max-restarts=1 ... tests/crash.py WHAT src/ch4/resume/mnist_3_ddp_resume.py FLAGS...
 
@@ -26,9 +26,12 @@ WHAT is comma-separated:
                                padding that evens the ranks' batches (Accelerate's gather, not gather_for_metrics)
   no-agreed-stop               negative control: a stream rung's rank leaves the epoch when its own share runs out,
                                without asking the others (common/stream.py's every_rank_has)
+  keep-checkpoints             every checkpoint stays (common/checkpoint.py keeps the newest KEEP), for a test
+                               that starts another run from an early one
   none                         no crash
-Kills happen only on the first attempt (TORCHELASTIC_RESTART_COUNT 0, SLURM_RESTART_COUNT 0), so
-the restart runs clean.
+Kills and stops happen only on the first attempt (TORCHELASTIC_RESTART_COUNT 0, SLURM_RESTART_COUNT 0), so
+the restart runs clean; ITEM@N does ITEM on attempt N alone (kill-rank2-after-step3@1: the first restart's
+rank 2 dies after its own third step), so that one launch with --max-restarts=N can be killed N times.
 """
 import os
 import re
@@ -106,19 +109,25 @@ def kill_in_save(save: int) -> None:
 
 
 if __name__ == "__main__":
-    what = sys.argv[1].split(",")
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     rank = os.environ.get("RANK", "0")
+    what = []
+    for item in sys.argv[1].split(","):
+        item, _, on = item.partition("@")
+        if re.match(r"(kill|term|termgroup)-|slow-first-run", item):
+            on = on or "0"
+        if not on or int(on) == attempt:
+            what.append(item)
     for item in what:
         killing = re.fullmatch(r"(kill|term|termgroup)-rank(\d+)-(after-step|in-save)(\d+)", item)
-        if killing and first_attempt and killing.group(2) == rank:
+        if killing and killing.group(2) == rank:
             how, when, count = killing.group(1), killing.group(3), int(killing.group(4))
             if when == "in-save":
                 kill_in_save(count)
             else:
                 after_step(count, {"kill": die, "term": lambda: os.kill(os.getpid(), signal.SIGTERM),
                                    "termgroup": lambda: os.killpg(os.getpgid(0), signal.SIGTERM)}[how])
-        elif item == "slow-first-run" and first_attempt:
+        elif item == "slow-first-run":
             register_optimizer_step_post_hook(lambda optimizer, args, kwargs: time.sleep(0.3))
         elif item == "forget-rng":
             import common.checkpoint
@@ -142,10 +151,13 @@ if __name__ == "__main__":
         elif item == "keep-eval-padding":
             import accelerate
             accelerate.Accelerator.gather_for_metrics = lambda self, data, use_gather_object=False: self.gather(data)
+        elif item == "keep-checkpoints":
+            import common.checkpoint
+            common.checkpoint.KEEP = sys.maxsize
         elif item == "no-agreed-stop":
             import common.stream
             common.stream.every_rank_has = lambda batch: batch is not None
-        elif not killing and item not in ("none", "slow-first-run"):
+        elif not killing and item != "none":
             sys.exit(f"tests/crash.py: unknown {item}")
     sys.argv = sys.argv[2:]
     runpy.run_path(sys.argv[0], run_name="__main__")

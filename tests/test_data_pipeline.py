@@ -3,14 +3,17 @@ runs that resume exactly with them.
 
 Launched runs train the tiny MNIST (192 images) for 2 epochs of 6 steps, global batch 36, on 3 gloo processes
 with 2 DataLoader workers each that shift the images at random (--augment 2), a checkpoint every 2 steps.
-A run is SIGKILLed twice mid-epoch (rank 1 after step 3; rank 2 three steps after the resume from step 2,
+A run (one torchrun launch, --max-restarts=2) is SIGKILLed twice mid-epoch (rank 1 after step 3; rank 2 three steps after the resume from step 2,
 with batches prefetched by the workers) and resumes twice, from step 2 and from step 4; its final weights and
 optimizer state must equal, bitwise, those of the run that was never killed. Both rungs are held to the same
 uninterrupted run of mnist_workers.py: a StatefulDataLoader changes how the rung resumes, not what it trains.
 The traps and their fixes are shown on the loaders themselves, in this process, with forked workers.
 """
+import multiprocessing
 import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from common.loader_state import restore_loader
 from common.mnist import MNISTTensors
 from common.samplers import ResumableDistributedSampler
+from common.stop_signal import leave_signals_to_the_rank
 from common.stream import mnist_stream, write_shards
 from common.worker_seeds import WorkerShift, seed_epoch, seed_worker, warn_if_oversubscribed
 
@@ -47,24 +51,23 @@ def uninterrupted(tiny_mnist, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def killed_twice(tiny_mnist, tmp_path_factory):
-    """For each rung: the folder of the chain, a copy of the first kill's step-2 checkpoint, and the samples
-    each rank of the first launch was given (recorded in order; the first 2 batches are the checkpoint's).
-    The second launch is killed on its first attempt and torchrun restarts it (--max-restarts=1)."""
+    """For each rung: the folder of the chain (every checkpoint kept) and the samples each rank of its first
+    attempt was given (recorded in order; the first 2 batches are the step-2 checkpoint's). One launch, killed on
+    its first attempt and on its first restart, and restarted by torchrun each time (--max-restarts=2)."""
     chains = {}
     for script in ("mnist_workers.py", "mnist_stateful.py"):
-        folder, kept, record = (tmp_path_factory.mktemp(name) for name in ("chain", "kept", "record"))
-        first = run(script, folder, tiny_mnist, what="kill-rank1-after-step3,record-samples", record=record)
-        assert first.returncode != 0 and not (folder / "step-00000004.pt").exists(), first.stdout
-        shutil.copy(folder / "step-00000002.pt", kept)
-        result = run(script, folder, tiny_mnist, what="kill-rank2-after-step3", restarts=1)
+        folder, record = tmp_path_factory.mktemp("chain"), tmp_path_factory.mktemp("record")
+        result = run(script, folder, tiny_mnist, what="kill-rank1-after-step3,kill-rank2-after-step3@1,record-samples@0,"
+                     "keep-checkpoints", record=record, restarts=2)
         assert_ran(result, "epoch 0, 72 samples into it, step 2", "epoch 0, 144 samples into it, step 4", "over 101 images")
-        chains[script] = folder, kept, record
+        assert result.stdout.count("resumed from") == 2, result.stdout
+        chains[script] = folder, record
     return chains
 
 
 @pytest.mark.parametrize("script", ["mnist_workers.py", "mnist_stateful.py"])
 def test_killed_twice_mid_epoch_the_run_ends_bitwise_as_if_never_stopped(uninterrupted, killed_twice, script):
-    folder, _, _ = killed_twice[script]
+    folder, _ = killed_twice[script]
     assert bitwise_equal(final_state(folder), uninterrupted)
 
 
@@ -82,11 +85,11 @@ def test_another_world_size_trains_every_sample_of_the_epoch_once(killed_twice, 
     trained on once (steps 1-2 at 3 ranks, 3-4 at 2, 5-6 at 3; step 6 is the epoch's last, 12 images). The stop
     at 2 is SIGTERM to rank 0's process group, its DataLoader workers with it, as torchrun and SLURM send it:
     the workers leave it to the rank, which saves."""
-    _, kept, first = killed_twice["mnist_stateful.py"]
+    chain, first = killed_twice["mnist_stateful.py"]
     folder, at_2, at_3 = tmp_path / "folder", tmp_path / "at-2", tmp_path / "at-3"
     for made in (folder, at_2, at_3):
         made.mkdir()
-    shutil.copy(kept / "step-00000002.pt", folder)
+    shutil.copy(chain / "step-00000002.pt", folder)
     result = run("mnist_stateful.py", folder, tiny_mnist, 2, "record-samples,termgroup-rank0-after-step2", at_2)
     assert "stopped by SIGTERM at step 4" in result.stdout, result.stderr[-3000:]
     assert "the loader states of 3 ranks with 2 workers each do not carry over to 2 ranks with 2" in result.stdout
@@ -187,44 +190,46 @@ def stream_run(folder, data, shards, processes=3, what="none", workers=2, restar
 
 
 @pytest.fixture(scope="module")
-def shards(images, tmp_path_factory):
+def unequal_shards(images, tmp_path_factory):
+    """In epoch 0 rank r streams shards r, r + 3, r + 6 and r + 9: rank 0 80 rows (8 batches of at most 12), rank 1
+    64 (6), rank 2 48 (4). From epoch 1 on datasets shuffles the shards' order by the epoch, the same on every
+    rank: in epoch 1 ranks 0 and 1 have 6 batches, rank 2 7."""
     folder = tmp_path_factory.mktemp("shards")
-    write_shards(images, folder)
+    write_shards(images, folder, sizes=[20, 16, 12] * 4)
     return folder
 
 
-def test_a_killed_stream_resumes_exactly_with_its_shuffle_buffers(tiny_mnist, shards, tmp_path):
-    """Killed after step 3 (rank 1, its workers with rows in their buffers and batches prefetched) and resumed
-    from step 2, then killed after step 7 and resumed from step 6, the epoch's last (its loader state: nothing
-    left; the epoch ends at once), at 3 processes: bitwise the run that never stopped."""
+def test_a_killed_stream_resumes_exactly_with_its_shuffle_buffers(tiny_mnist, unequal_shards, tmp_path):
+    """Ranks with unequal shares end each epoch together, when one runs out: 4 steps in epoch 0, 6 in epoch 1,
+    10 in all. Killed after step 3 (rank 1, its workers with rows in their buffers and batches prefetched) and
+    resumed from step 2, then killed after step 5 and resumed from step 4, the epoch's last (rank 2's loader
+    state: nothing left; the other ranks' rows are left unread), in one launch at 3 processes: bitwise the run
+    that never stopped."""
     never, killed = tmp_path / "never", tmp_path / "killed"
-    assert_ran(stream_run(never, tiny_mnist, shards), "over 101 images")
-    assert stream_run(killed, tiny_mnist, shards, what="kill-rank1-after-step3").returncode != 0
-    assert_ran(stream_run(killed, tiny_mnist, shards, what="kill-rank1-after-step5", restarts=1),
-               "epoch 0, 72 samples into it, step 2", f"resumed from {killed}/step-00000006.pt: epoch 0,")
+    assert_ran(stream_run(never, tiny_mnist, unequal_shards), "over 101 images")
+    assert max(never.glob("step-*.pt")).name == "step-00000010.pt"
+    assert_ran(stream_run(killed, tiny_mnist, unequal_shards, what="kill-rank1-after-step3,kill-rank1-after-step3@1",
+                          restarts=2),
+               "epoch 0, 72 samples into it, step 2", f"resumed from {killed}/step-00000004.pt: epoch 0,")
     assert bitwise_equal(final_state(killed), final_state(never))
 
 
-@pytest.mark.parametrize("what, ends", [("none", True), ("no-agreed-stop", False)])
-def test_ranks_with_unequal_shares_of_the_stream_end_the_epoch_together(images, tiny_mnist, tmp_path, what, ends):
-    """Two shards of 120 and 72 rows over 2 processes without workers: rank 1 runs out after 4 of its batches of
-    18, rank 0 has 7. With every_rank_has both end the epoch at step 4 and the run finishes. The control leaves
-    the loop on rank 1 alone: its next collective (the loss's all-reduce) meets rank 0's gradient all-reduce,
-    which gloo sees by their sizes and aborts on; a backend that does not compare sizes waits until the
-    process group's timeout (20 s here)."""
+def test_a_rank_that_leaves_the_epoch_alone_stops_the_run(images, tiny_mnist, tmp_path):
+    """The trap that every_rank_has closes (the test above: the run ends). Two shards of 120 and 72 rows over 2
+    processes without workers: rank 1 runs out after 4 of its batches of 18, rank 0 has 7. Leaving the loop on
+    rank 1 alone, its next collective (the loss's all-reduce) meets rank 0's gradient all-reduce, which gloo
+    sees by their sizes and aborts on; a backend that does not compare sizes waits until the process group's
+    timeout (20 s here)."""
     folder = tmp_path / "uneven"
     write_shards(images, folder, sizes=[120, 72])
-    result = stream_run(tmp_path / "run", tiny_mnist, folder, processes=2, what=what, workers=0, timeout=120)
-    if ends:
-        assert_ran(result, "epoch 1: mean training loss", "over 101 images")
-    else:
-        assert result.returncode != 0 and "over 101 images" not in result.stdout
-        assert "collective mismatch" in result.stderr, result.stderr[-3000:]  # gloo compares the sizes: 787,380 bytes vs 8
+    result = stream_run(tmp_path / "run", tiny_mnist, folder, processes=2, what="no-agreed-stop", workers=0, timeout=120)
+    assert result.returncode != 0 and "over 101 images" not in result.stdout
+    assert "collective mismatch" in result.stderr, result.stderr[-3000:]  # gloo compares the sizes: 787,380 bytes vs 8
 
 
-def test_shards_that_do_not_split_over_ranks_and_workers_are_refused_in_one_sentence(shards, capsys):
+def test_shards_that_do_not_split_over_ranks_and_workers_are_refused_in_one_sentence(unequal_shards, capsys):
     with pytest.raises(SystemExit):
-        mnist_stream(shards, 0, 5, 2)
+        mnist_stream(unequal_shards, 0, 5, 2)
     assert "holds 12 Parquet shards, which do not split evenly over 5 ranks x 2 workers; pass a --stream-dir with a " \
            "multiple of 10 shards" in capsys.readouterr().err
 
@@ -274,3 +279,47 @@ def test_workers_are_out_of_reach_of_a_signal_to_their_ranks_group(images, init,
     rank before it saves."""
     groups = worker_groups(images, init)
     assert all((group != os.getpgid(0)) == own_group for group in groups)
+
+
+def rank_with_workers(init, pids) -> None:
+    """A stand-in for a rank: a loader's two workers started, their pids sent, then it waits to be killed."""
+    batches = iter(DataLoader(range(40), 10, num_workers=2, worker_init_fn=init))
+    next(batches)
+    pids.send([worker.pid for worker in batches._workers])
+    time.sleep(60)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def own_group_only(worker_id: int) -> None:
+    os.setpgrp()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="Linux: prctl's PR_SET_PDEATHSIG")
+@pytest.mark.parametrize("init, die_with_it", [(leave_signals_to_the_rank, True), (own_group_only, False)])
+def test_workers_out_of_their_ranks_group_die_the_moment_it_is_killed(init, die_with_it):
+    """Out of the rank's group, a worker no longer gets torchrun's SIGKILL to the group: leave_signals_to_the_rank
+    has the kernel kill it with its rank, which would otherwise wait for the rank's sockets that the worker holds.
+    The control, a group of its own and nothing more, outlives the rank by a second (its DataLoader checks that
+    its parent lives only every 5 s)."""
+    fork = multiprocessing.get_context("fork")
+    receive, send = fork.Pipe(duplex=False)
+    rank = fork.Process(target=rank_with_workers, args=(init, send))
+    rank.start()
+    workers = receive.recv()
+    os.kill(rank.pid, signal.SIGKILL)
+    rank.join()
+    try:
+        deadline = time.monotonic() + 1
+        while any(map(alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (not any(map(alive, workers))) == die_with_it
+    finally:
+        for pid in filter(alive, workers):
+            os.kill(pid, signal.SIGKILL)

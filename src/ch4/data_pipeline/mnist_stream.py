@@ -74,7 +74,8 @@ def train_epoch(model, loader, optimizer, scaler, device, precision, position, c
             checkpoints.save(position, training_state(model, optimizer, scaler, loader))
         if stop.signum:
             stop.exit(position.step)
-    return loss_sum.item() / max(position.step - start, 1)  # STEP: a checkpoint at the epoch's last step resumes to none
+    steps = position.step - start  # STEP: none where a checkpoint at the epoch's last step resumed
+    return loss_sum.item() / steps if steps else math.nan  # STEP
 
 
 def training_state(model, optimizer, scaler, loader) -> dict:
