@@ -49,25 +49,31 @@ def uninterrupted(tiny_mnist, tmp_path_factory):
     return final_state(folder)
 
 
+def kill_twice(script, data, tmp_path_factory):
+    """The folder of the chain (every checkpoint kept) and the samples each rank of its first attempt was given
+    (recorded in order; the first 2 batches are the step-2 checkpoint's). One launch, killed on its first attempt
+    and on its first restart, and restarted by torchrun each time (--max-restarts=2)."""
+    folder, record = tmp_path_factory.mktemp("chain"), tmp_path_factory.mktemp("record")
+    result = run(script, folder, data, what="kill-rank1-after-step3,kill-rank2-after-step3@1,record-samples@0,"
+                 "keep-checkpoints", record=record, restarts=2)
+    assert_ran(result, "epoch 0, 72 samples into it, step 2", "epoch 0, 144 samples into it, step 4", "over 101 images")
+    assert result.stdout.count("resumed from") == 2, result.stdout
+    return folder, record
+
+
 @pytest.fixture(scope="module")
-def killed_twice(tiny_mnist, tmp_path_factory):
-    """For each rung: the folder of the chain (every checkpoint kept) and the samples each rank of its first
-    attempt was given (recorded in order; the first 2 batches are the step-2 checkpoint's). One launch, killed on
-    its first attempt and on its first restart, and restarted by torchrun each time (--max-restarts=2)."""
-    chains = {}
-    for script in ("mnist_workers.py", "mnist_stateful.py"):
-        folder, record = tmp_path_factory.mktemp("chain"), tmp_path_factory.mktemp("record")
-        result = run(script, folder, tiny_mnist, what="kill-rank1-after-step3,kill-rank2-after-step3@1,record-samples@0,"
-                     "keep-checkpoints", record=record, restarts=2)
-        assert_ran(result, "epoch 0, 72 samples into it, step 2", "epoch 0, 144 samples into it, step 4", "over 101 images")
-        assert result.stdout.count("resumed from") == 2, result.stdout
-        chains[script] = folder, record
-    return chains
+def workers_chain(tiny_mnist, tmp_path_factory):
+    return kill_twice("mnist_workers.py", tiny_mnist, tmp_path_factory)
 
 
-@pytest.mark.parametrize("script", ["mnist_workers.py", "mnist_stateful.py"])
-def test_killed_twice_mid_epoch_the_run_ends_bitwise_as_if_never_stopped(uninterrupted, killed_twice, script):
-    folder, _ = killed_twice[script]
+@pytest.fixture(scope="module")
+def stateful_chain(tiny_mnist, tmp_path_factory):
+    return kill_twice("mnist_stateful.py", tiny_mnist, tmp_path_factory)
+
+
+@pytest.mark.parametrize("chain", ["workers_chain", "stateful_chain"])
+def test_killed_twice_mid_epoch_the_run_ends_bitwise_as_if_never_stopped(uninterrupted, chain, request):
+    folder, _ = request.getfixturevalue(chain)
     assert bitwise_equal(final_state(folder), uninterrupted)
 
 
@@ -78,14 +84,14 @@ def trained(record: Path, processes: int, steps: int, per_rank: int, first: int 
             for index in [int(line) for line in (record / f"rank{rank}.txt").read_text().split()][first:first + steps * per_rank]]
 
 
-def test_another_world_size_trains_every_sample_of_the_epoch_once(killed_twice, tiny_mnist, tmp_path):
+def test_another_world_size_trains_every_sample_of_the_epoch_once(stateful_chain, tiny_mnist, tmp_path):
     """3 -> 2 -> 3 processes over epoch 0: mnist_stateful.py's step-2 checkpoint of 3 ranks goes on at 2 (SIGTERM
     after 2 steps: a checkpoint at step 4), then at 3 to the end. The loader states do not fit, the run says so
     and goes on from the global cursor: the samples of epoch 0, counted by index over all ranks, are each
     trained on once (steps 1-2 at 3 ranks, 3-4 at 2, 5-6 at 3; step 6 is the epoch's last, 12 images). The stop
     at 2 is SIGTERM to rank 0's process group, its DataLoader workers with it, as torchrun and SLURM send it:
     the workers leave it to the rank, which saves."""
-    chain, first = killed_twice["mnist_stateful.py"]
+    chain, first = stateful_chain
     folder, at_2, at_3 = tmp_path / "folder", tmp_path / "at-2", tmp_path / "at-3"
     for made in (folder, at_2, at_3):
         made.mkdir()
