@@ -44,6 +44,8 @@ from pathlib import Path
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+KILLING = re.compile(r"(kill|term|termgroup)-rank(\d+)-(after-step|in-save)(\d+)")
+
 
 def die() -> None:
     sys.stdout.flush()
@@ -114,12 +116,11 @@ if __name__ == "__main__":
     what = []
     for item in sys.argv[1].split(","):
         item, _, on = item.partition("@")
-        if re.match(r"(kill|term|termgroup)-|slow-first-run", item):
-            on = on or "0"
-        if not on or int(on) == attempt:
+        first_attempt_only = KILLING.fullmatch(item) or item == "slow-first-run"
+        if int(on or (0 if first_attempt_only else attempt)) == attempt:
             what.append(item)
     for item in what:
-        killing = re.fullmatch(r"(kill|term|termgroup)-rank(\d+)-(after-step|in-save)(\d+)", item)
+        killing = KILLING.fullmatch(item)
         if killing and killing.group(2) == rank:
             how, when, count = killing.group(1), killing.group(3), int(killing.group(4))
             if when == "in-save":

@@ -34,11 +34,12 @@ PIPELINE = Path(__file__).resolve().parent.parent / "src" / "ch4" / "data_pipeli
 BATCH, IMAGES = 36, 192
 
 
-def run(script, folder, data, processes=3, what="none", record=None, restarts=0):
+def run(script, folder, data, processes=3, what="none", *flags, record=None, restarts=0, workers=2, dist_timeout=60,
+        timeout=240):
     return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", f"--max-restarts={restarts}", CRASH, what,
-                       PIPELINE / script, "--data-dir", data, "--batch-size", BATCH, "--num-workers", "2", "--augment", "2",
-                       "--epochs", "2", "--checkpoint-every", "2", "--checkpoint-dir", folder, "--precision", "fp32",
-                       "--dist-timeout", "60", timeout=240,
+                       PIPELINE / script, "--data-dir", data, *flags, "--batch-size", BATCH, "--num-workers", workers,
+                       "--augment", "2", "--epochs", "2", "--checkpoint-every", "2", "--checkpoint-dir", folder,
+                       "--precision", "fp32", "--dist-timeout", dist_timeout, timeout=timeout,
                        env_extra={**RESTARTABLE, **({"RECORD_SAMPLES": str(record)} if record else {})})
 
 
@@ -96,10 +97,10 @@ def test_another_world_size_trains_every_sample_of_the_epoch_once(stateful_chain
     for made in (folder, at_2, at_3):
         made.mkdir()
     shutil.copy(chain / "step-00000002.pt", folder)
-    result = run("mnist_stateful.py", folder, tiny_mnist, 2, "record-samples,termgroup-rank0-after-step2", at_2)
+    result = run("mnist_stateful.py", folder, tiny_mnist, 2, "record-samples,termgroup-rank0-after-step2", record=at_2)
     assert "stopped by SIGTERM at step 4" in result.stdout, result.stderr[-3000:]
     assert "the loader states of 3 ranks with 2 workers each do not carry over to 2 ranks with 2" in result.stdout
-    assert_ran(run("mnist_stateful.py", folder, tiny_mnist, 3, "record-samples", at_3),
+    assert_ran(run("mnist_stateful.py", folder, tiny_mnist, 3, "record-samples", record=at_3),
                "do not carry over to 3 ranks", "over 101 images")
     epoch = [*trained(first, 3, 2, 12), *trained(at_2, 2, 2, 18), *trained(at_3, 3, 1, 12), *trained(at_3, 3, 1, 4, 12)]
     assert sorted(epoch) == list(range(IMAGES))
@@ -188,11 +189,8 @@ def test_a_stateful_loader_restored_mid_epoch_goes_on_with_each_workers_generato
 # The stream (mnist_stream.py): the tiny MNIST as 12 Parquet shards, a shuffle buffer of 8 rows per worker.
 
 def stream_run(folder, data, shards, processes=3, what="none", workers=2, restarts=0, timeout=240):
-    return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", f"--max-restarts={restarts}", CRASH, what,
-                       PIPELINE / "mnist_stream.py", "--data-dir", data, "--stream-dir", shards, "--shuffle-buffer", "8",
-                       "--batch-size", BATCH, "--num-workers", workers, "--augment", "2", "--epochs", "2",
-                       "--checkpoint-every", "2", "--checkpoint-dir", folder, "--precision", "fp32", "--dist-timeout", "20",
-                       timeout=timeout, env_extra=RESTARTABLE)
+    return run("mnist_stream.py", folder, data, processes, what, "--stream-dir", shards, "--shuffle-buffer", "8",
+               restarts=restarts, workers=workers, dist_timeout=20, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

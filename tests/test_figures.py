@@ -278,8 +278,8 @@ def test_drawn_schematics_are_byte_stable(figure, name, tmp_path):
 def test_the_worker_seeds_figure_shows_what_the_workers_draw():
     """Seeded by the rungs, the four workers of two ranks draw four different lists of shifts; with one generator made
     in __init__ (the figure's right half), all four draw the same."""
-    seeded = [tuple(drawn) for rank in (0, 1) for drawn in map(tuple, worker_seeds.shifts(rank, True))]
-    trap = [tuple(drawn) for rank in (0, 1) for drawn in map(tuple, worker_seeds.shifts(rank, False))]
+    seeded = [tuple(drawn) for rank in (0, 1) for drawn in worker_seeds.shifts(rank, True)]
+    trap = [tuple(drawn) for rank in (0, 1) for drawn in worker_seeds.shifts(rank, False)]
     assert len(set(seeded)) == 4 and len(set(trap)) == 1
 
 
