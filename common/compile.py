@@ -8,6 +8,8 @@ applies DDPOptimizer to whatever it compiles while a DDP forward is running
 (DistributedDataParallel._get_active_ddp_module(), checked in torch/_dynamo/convert_frame.py), and in
 DDP(torch.compile(model)) the compiled model runs inside DDP's forward too.
 """
+import atexit
+import gc
 import os
 import shutil
 import sys
@@ -56,7 +58,19 @@ def compiled(module: torch.nn.Module, backend: str | None) -> torch.nn.Module:
     if backend is None:
         return module
     check_backend(backend)
+    atexit.register(release_compiled_code)
     return torch.compile(module, backend=backend)
+
+
+def release_compiled_code() -> None:
+    """Drop dynamo's compiled code as the process exits, before the interpreter's teardown.
+
+    Its caches hold the compiled module, and a DDP module's process group with it, past
+    destroy_process_group(): gloo's threads would still run while the interpreter ends, and the process
+    would abort now and then ("terminate called without an active exception", docs/traps.md). What they
+    hold is in reference cycles, hence the collection."""
+    torch._dynamo.reset()
+    gc.collect()
 
 
 def compile_in_place(module: torch.nn.Module, backend: str | None) -> None:

@@ -5,8 +5,7 @@ when the job asked for it with --signal); torchrun passes SIGTERM on to its work
 saved right away would save at whatever step each rank happened to be in, and the signal reaches the
 ranks at different moments. So the handler only sets a flag; at each step boundary one small
 all-reduce (MAX) tells every rank whether any rank got a signal, and all stop at that same step.
-That flag is a CPU tensor on a gloo group: a flag on the GPU would make every step wait for the GPU
-to finish its queued work before .item() could read the answer.
+That flag is a CPU tensor on a gloo group (common/flag_group.py).
 The signal reaches a rank's DataLoader workers too: torchrun signals each rank's whole process group
 (os.killpg). A DataLoader worker dies of SIGTERM (its loop installs a handler that reports it and
 re-raises), and its rank's SIGCHLD handler then raises "DataLoader worker ... is killed by signal"
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from common.distributed import exit_process, print0
+from common.flag_group import flag_group
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PR_SET_PDEATHSIG = 1  # prctl's option, from <linux/prctl.h>
@@ -44,15 +44,13 @@ class StopSignal:
     def __init__(self, signals=SIGNALS):
         self._received = received = [0]  # the signal this process got, 0 while none arrived
         self.signum = 0  # the signal some rank got, once the ranks have agreed on it
-        self.group = None  # the gloo group the flag travels on, made at the first check
 
         def handle(signum, frame) -> None:
             received[0] = signum
 
-        # A function, not a bound method: the signal module keeps its handler until the interpreter ends, and
-        # a handler that held this object would hold its process group too, past destroy_process_group().
-        # gloo's worker threads would then outlive the script and race the interpreter's teardown (the abort
-        # that common.distributed.exit_process describes, in about one exit in eight of the resume rung).
+        # A function, not a bound method: the signal module keeps its handler until the interpreter ends, and a
+        # bound method would keep this object, and anything it came to hold (a process group would keep gloo's
+        # threads running into the teardown: docs/traps.md), as long.
         for signum in signals:
             signal.signal(signum, handle)
 
@@ -68,9 +66,7 @@ class StopSignal:
         """True on every rank if any rank has received a signal. A collective: every rank calls it at each step."""
         flag = torch.tensor([self.received])
         if dist.is_initialized():
-            if self.group is None:  # the default group where it is gloo, else one more group, over gloo
-                self.group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=flag_group())
         self.signum = int(flag.item())
         return self.signum != 0
 

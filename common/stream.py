@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from common.distributed import main_process_first
+from common.flag_group import flag_group
 from common.loader_state import refuse
 from common.mnist import MEAN, STD
 
@@ -127,16 +128,5 @@ def every_rank_has(batch) -> bool:
     """True on every rank while every rank has a batch: one small all-reduce (MIN) a step, on the CPU over gloo."""
     flag = torch.tensor([batch is not None], dtype=torch.int32)
     if dist.is_initialized():
-        group = dist.group.WORLD if dist.get_backend() == "gloo" else _gloo_group()
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=flag_group())
     return bool(flag.item())
-
-
-_GLOO = []
-
-
-def _gloo_group():
-    """One gloo group beside NCCL's, made at the first call (every rank makes it: a collective)."""
-    if not _GLOO:
-        _GLOO.append(dist.new_group(backend="gloo"))
-    return _GLOO[0]

@@ -26,6 +26,10 @@ WHAT is comma-separated:
                                padding that evens the ranks' batches (Accelerate's gather, not gather_for_metrics)
   no-agreed-stop               negative control: a stream rung's rank leaves the epoch when its own share runs out,
                                without asking the others (common/stream.py's every_rank_has)
+  threads-at-exit              the last thing before the interpreter's teardown: print the names of the process's
+                               threads still running ("threads at exit: python, ...")
+  keep-compiled-code           negative control: dynamo's compiled code is kept to the interpreter's teardown
+                               (common/compile.py's release_compiled_code)
   keep-checkpoints             every checkpoint stays (common/checkpoint.py keeps the newest KEEP), for a test
                                that starts another run from an early one
   none                         no crash
@@ -33,6 +37,7 @@ Kills and stops happen only on the first attempt (TORCHELASTIC_RESTART_COUNT 0, 
 the restart runs clean; ITEM@N does ITEM on attempt N alone (kill-rank2-after-step3@1: the first restart's
 rank 2 dies after its own third step), so that one launch with --max-restarts=N can be killed N times.
 """
+import atexit
 import os
 import re
 import runpy
@@ -61,6 +66,14 @@ def after_step(step: int, action) -> None:
         if count == step:
             action()
     register_optimizer_step_post_hook(hook)
+
+
+def threads_at_exit() -> None:
+    """Registered before the script runs, so that it runs after the script's own exit functions."""
+    def show() -> None:
+        names = [(task / "comm").read_text().strip() for task in sorted(Path("/proc/self/task").iterdir())]
+        print(f"threads at exit: {', '.join(names)}", flush=True)
+    atexit.register(show)
 
 
 def record_samples(path: Path) -> None:
@@ -152,6 +165,11 @@ if __name__ == "__main__":
         elif item == "keep-eval-padding":
             import accelerate
             accelerate.Accelerator.gather_for_metrics = lambda self, data, use_gather_object=False: self.gather(data)
+        elif item == "threads-at-exit":
+            threads_at_exit()
+        elif item == "keep-compiled-code":
+            import common.compile
+            common.compile.release_compiled_code = lambda: None
         elif item == "keep-checkpoints":
             import common.checkpoint
             common.checkpoint.KEEP = sys.maxsize

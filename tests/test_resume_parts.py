@@ -40,8 +40,7 @@ def test_ranks_agree_on_the_signal_any_of_them_got():
 
 def test_the_signal_handler_does_not_keep_the_stop_signal_alive():
     """The handler stays installed after the script's main() returns; were it a bound method, it would keep
-    the StopSignal and its process group alive past destroy_process_group(), and gloo's threads would race
-    the interpreter's teardown (an abort in about one exit in eight of the resume rung)."""
+    the StopSignal, and whatever it holds, alive until the interpreter's teardown."""
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         stop = StopSignal()
@@ -54,6 +53,24 @@ def test_the_signal_handler_does_not_keep_the_stop_signal_alive():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def flag_groups(rank, world_size):
+    """The default group under gloo; beside NCCL (the backend's name stands in for it), a gloo group of its
+    own, made once, that carries an all-reduce."""
+    import torch.distributed as dist
+
+    from common.flag_group import flag_group
+    under_gloo = flag_group() is dist.group.WORLD
+    dist.get_backend = lambda group=None: "nccl"
+    beside = flag_group()
+    flag = torch.tensor([rank])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=beside)
+    return under_gloo, beside is not dist.group.WORLD, flag_group() is beside, dist.get_world_size(beside), int(flag)
+
+
+def test_a_flag_travels_on_gloo_beside_any_other_backend():
+    assert run_in_process_group(flag_groups, 3, timeout=120) == (True, True, True, 3, 2)
 
 
 def test_the_loss_scaler_goes_through_a_checkpoint(tmp_path):
