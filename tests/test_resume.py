@@ -2,8 +2,8 @@
 
 Every run trains the tiny MNIST for 2 epochs on 3 gloo processes (6 steps per epoch, a checkpoint
 every 4), with 2 DataLoader workers per process that shift the images at random (--augment), under
-torchrun with --max-restarts=1; tests/crash.py SIGKILLs a worker at a chosen point of the first attempt
-only, torchrun restarts the workers, and they resume from the newest checkpoint (their DataLoader
+torchrun; tests/crash.py SIGTERMs or SIGKILLs a worker at a chosen point of a chosen attempt,
+torchrun restarts the workers, and they resume from the newest checkpoint (their DataLoader
 workers start afresh, mid-epoch: tests/test_augment.py shows the trap that common/augment.py avoids).
 Three processes, not two: with two, every all-reduce sum is a + b == b + a, and a resumed DDP that
 reduces in other buckets than the run it continues (common/resume_buckets.py) ends bitwise equal all the
@@ -110,20 +110,25 @@ def uninterrupted(tiny_mnist, tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("what, resumed_at", [
-    ("kill-rank1-after-step10", "step-00000008.pt: epoch 1, 66 samples into it, step 8"),  # mid-epoch, no warning
-    ("kill-rank0-in-save2", "step-00000004.pt: epoch 0, 132 samples into it, step 4"),  # the step-8 file never lands
-    # rank 0's process group, its 2 DataLoader workers with it, as torchrun and SLURM send it; rank 1 got none
-    ("termgroup-rank0-after-step6", "step-00000006.pt: epoch 1, 0 samples into it, step 6"),
+# One launch, stopped three ways in a row (tests/crash.py's ITEM@N acts on torchrun's attempt N alone)
+STOPPED_THREE_WAYS = ",".join([
+    "termgroup-rank0-after-step6",  # rank 0's process group, its 2 DataLoader workers with it, as torchrun and SLURM send it
+    "kill-rank0-in-save1@1",  # the resumed run's first save, at step 8, never lands
+    "kill-rank1-after-step3@2",  # mid-epoch, no warning: after step 9, the step-8 file saved this time
 ])
-def test_killed_run_resumes_bitwise(uninterrupted, tiny_mnist, tmp_path, what, resumed_at):
-    result = run(tmp_path, tiny_mnist, what)
-    assert_ran(result, f"resumed from {tmp_path}/{resumed_at}", "over 101 images")
-    if "in-save" in what:
-        assert "ignoring" in result.stderr and "step-00000008.pt.tmp, left by a save that did not finish" in result.stderr
-    if "term" in what:  # both ranks stopped at the step after the signal, saved, and exited as if killed by it
-        assert "stopped by SIGTERM at step 6, after saving a checkpoint" in result.stdout
-        assert "failed (exitcode: 143)" in result.stderr  # torchrun counts that as a failure, and restarts them
+
+
+def test_a_run_stopped_three_ways_resumes_bitwise(uninterrupted, tiny_mnist, tmp_path):
+    result = run(tmp_path, tiny_mnist, STOPPED_THREE_WAYS, restarts=3)
+    # the signal: both ranks stopped at the step after it, saved, and exited as if killed by it; torchrun
+    # counts that as a failure (143 = 128 + SIGTERM), and restarts them
+    assert_ran(result, "stopped by SIGTERM at step 6, after saving a checkpoint", "over 101 images")
+    assert "failed (exitcode: 143)" in result.stderr
+    # the kill in the save: its temporary file is passed over, and the run resumes from the one before
+    assert result.stdout.count(f"resumed from {tmp_path}/step-00000006.pt: epoch 1, 0 samples into it, step 6") == 2
+    assert "ignoring" in result.stderr and "step-00000008.pt.tmp, left by a save that did not finish" in result.stderr
+    # the kill mid-epoch
+    assert f"resumed from {tmp_path}/step-00000008.pt: epoch 1, 66 samples into it, step 8" in result.stdout
     assert bitwise_equal(final_state(tmp_path), final_state(uninterrupted))
     assert sorted(path.name for path in tmp_path.glob("step-*.pt")) == ["step-00000008.pt", "step-00000012.pt"]
 
