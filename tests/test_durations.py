@@ -21,7 +21,8 @@ def test_a_tests_phases_add_up_and_only_a_test_over_the_budget_is_flagged():
     table = durations.tables(seconds, wall=70)
     assert "1 over 60 s" in table and "| `test_resume.py::test_x` **over budget** | 61.5 |" in table
     assert "| `test_plan.py::test_y[a b]` | 59.0 |" in table  # under the budget: not flagged
-    assert "| Jobs that fail and come back | 62 | 51% |" in table and "| Plan before you rent | 59 | 49% |" in table
+    # each chapter's share of the wall time: its share of the test time, of the 70 s the suite took
+    assert "| Jobs that fail and come back | 62 | 51% | 36 |" in table and "| Plan before you rent | 59 | 49% | 34 |" in table
 
 
 def test_each_process_counts_once_under_the_program_it_ran():
