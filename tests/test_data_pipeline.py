@@ -271,7 +271,7 @@ def worker_groups(images, init) -> list[int]:
     loader = DataLoader(WorkerShift(images, 2), 12, collate_fn=images.collate, num_workers=2, worker_init_fn=init,
                         generator=torch.Generator())
     batches = iter(loader)
-    next(batches)  # both workers have run their worker_init_fn
+    next(batches), next(batches)  # one batch from each worker: both have run their worker_init_fn
     return [os.getpgid(worker.pid) for worker in batches._workers]
 
 
@@ -288,7 +288,7 @@ def test_workers_are_out_of_reach_of_a_signal_to_their_ranks_group(images, init,
 def rank_with_workers(init, pids) -> None:
     """A stand-in for a rank: a loader's two workers started, their pids sent, then it waits to be killed."""
     batches = iter(DataLoader(range(40), 10, num_workers=2, worker_init_fn=init))
-    next(batches)
+    next(batches), next(batches)  # one batch from each worker: both have run their worker_init_fn
     pids.send([worker.pid for worker in batches._workers])
     time.sleep(60)
 
