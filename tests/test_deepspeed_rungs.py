@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import EVAL_PAIRS, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran, run_as_user
 from test_lessons import one_process_correct
+from test_resume import bitwise_equal, tensors_in
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is the [deepspeed] extra: pip install -e '.[deepspeed]'")
 
@@ -62,7 +63,6 @@ def checkpoint_tensors(folder) -> list[torch.Tensor]:
     and never writes the padding, so it holds whatever the memory held (seen: 1e-43 in one run, -2e27 in
     the other, at the same places, every real number equal)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from test_resume import tensors_in
     newest = folder / (folder / "latest").read_text().strip()
     tensors = final_weights(folder) + list(get_fp32_state_dict_from_zero_checkpoint(str(folder)).values())
     for path in sorted(newest.glob("*.pt")):
@@ -81,15 +81,11 @@ def uninterrupted(tiny_mnist, tmp_path_factory):
     return folder, checkpoint_tensors(folder), result.stdout
 
 
-def same_tensors(a, b) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
 def test_a_killed_run_resumes_bitwise_from_the_engines_checkpoint(uninterrupted, tiny_mnist, tmp_path):
     result = resumable(tmp_path, tiny_mnist, "kill-rank1-after-step10")
     assert_ran(result, "resumed at step 8: epoch 1, 66 samples into it", "over 101 images")
     assert sorted(path.name for path in tmp_path.glob("step-*")) == ["step-12", "step-8"]  # resumed from step 8
-    assert same_tensors(checkpoint_tensors(tmp_path), uninterrupted[1])
+    assert bitwise_equal(checkpoint_tensors(tmp_path), uninterrupted[1])
 
 
 def test_a_resume_without_the_random_state_differs(uninterrupted, tiny_mnist, tmp_path):
@@ -100,7 +96,7 @@ def test_a_resume_without_the_random_state_differs(uninterrupted, tiny_mnist, tm
     assert_ran(resumable(tmp_path, tiny_mnist, "forget-rng", restarts=0), "resumed at step 8: epoch 1, 66 samples into it",
                "over 101 images")
     resumed = checkpoint_tensors(tmp_path)
-    assert len(resumed) == len(uninterrupted[1]) and not same_tensors(resumed, uninterrupted[1])
+    assert len(resumed) == len(uninterrupted[1]) and not bitwise_equal(resumed, uninterrupted[1])
 
 
 @pytest.mark.parametrize("processes, flags, phrase", [

@@ -97,8 +97,7 @@ def tables(seconds: dict[str, float], wall: float | None) -> str:
     over = sorted(test for test, time in seconds.items() if time > BUDGET)
     lines = [f"Measured on {machine_description()}: {len(seconds)} tests, {total:.0f} s of test time"
              + (f" in {wall:.0f} s of wall time" if wall else "") + f"; {len(over)} over {BUDGET} s.", "",
-             "| chapter | s | share | of the wall, s |" if wall else "| chapter | s | share |",
-             "|---|---:|---:|---:|" if wall else "|---|---:|---:|"]
+             "| chapter | s | share |" + (" of the wall, s |" if wall else ""), "|---|---:|---:|" + ("---:|" if wall else "")]
     lines += [f"| {chapter} | {chapters[chapter]:.0f} | {chapters[chapter] / total:.0%} |"
               + (f" {chapters[chapter] / total * wall:.0f} |" if wall else "")
               for chapter in CHAPTERS if chapter in chapters]

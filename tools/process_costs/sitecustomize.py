@@ -15,20 +15,17 @@ import sys
 import time
 
 FOLDER = os.environ.get("PROCESS_COSTS")
-STARTED = time.monotonic()  # a forked child sets its own
 
 
 def note(forked=False):
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    record = {"argv": sys.argv, "cpu": usage.ru_utime + usage.ru_stime, "wall": time.monotonic() - STARTED,
-              "forked": forked, "test": os.environ.get("PYTEST_CURRENT_TEST", "")}
+    record = {"argv": sys.argv[:4], "cpu": usage.ru_utime + usage.ru_stime, "forked": forked,
+              "test": os.environ.get("PYTEST_CURRENT_TEST", "")}
     with open(os.path.join(FOLDER, f"{os.getpid()}-{time.monotonic_ns()}.json"), "w") as file:
         json.dump(record, file)
 
 
 def note_from_a_forked_child(_):
-    global STARTED
-    STARTED = time.monotonic()
     multiprocessing.util.Finalize(None, note, kwargs={"forked": True}, exitpriority=-1000)
 
 
