@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import ACCELERATE, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran
+from conftest import ACCELERATE, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, TORCHRUN_FRESH, assert_ran
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.compile import compiled
@@ -174,8 +174,9 @@ def test_mnist_scripts_train_with_compile(run_command, tiny_mnist, launch):
 def test_a_compiled_ddp_run_stops_gloo_before_the_interpreters_teardown(run_command, tiny_mnist, crash, gloo_left):
     """dynamo's caches hold the DDP module and its process group past destroy_process_group(); gloo threads
     left running into the interpreter's teardown abort a process now and then (docs/traps.md). With the
-    compiled code released at exit (common/compile.py), none is left; kept (the negative control), they are."""
-    result = run_command(*TORCHRUN, "--nproc_per_node=2", CRASH, crash, CH4 / "mnist_3_ddp.py", "--data-dir", tiny_mnist,
+    compiled code released at exit (common/compile.py), none is left; kept (the negative control), they are.
+    Fresh interpreters (torchrun itself): the teardown is theirs."""
+    result = run_command(*TORCHRUN_FRESH, "--nproc_per_node=2", CRASH, crash, CH4 / "mnist_3_ddp.py", "--data-dir", tiny_mnist,
                          "--compile", "eager", "--dist-timeout", 60)
     left = re.findall(r"^threads at exit: (.*)$", result.stdout, re.MULTILINE)
     assert left and all(("gloo" in threads) == gloo_left for threads in left), result.stdout + result.stderr[-3000:]

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TORCHRUN, assert_ran, run_as_user
+from conftest import TORCHRUN_FRESH, assert_ran, run_as_user
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.diagnose import ReplicaMismatch, check_replicas, dump_stacks_on_hang
@@ -111,7 +111,7 @@ def gallery(name, *flags, processes=2, debug=None, monitor=0.1):
     """Launch a gallery program with torchrun; monitor: how often torchrun checks its workers (when one
     fails it stops the others at the next check: a longer interval lets every rank print its error)."""
     env = {"OMP_NUM_THREADS": "1", **({"TORCH_DISTRIBUTED_DEBUG": debug} if debug else {})}
-    return run_as_user(*TORCHRUN, f"--nproc_per_node={processes}", f"--monitor-interval={monitor}",
+    return run_as_user(*TORCHRUN_FRESH, f"--nproc_per_node={processes}", f"--monitor-interval={monitor}",
                        f"src/ch4/debugging/{name}.py", *flags, timeout=120, env_extra=env)
 
 

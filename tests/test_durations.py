@@ -38,7 +38,7 @@ def test_each_process_counts_once_under_the_program_it_ran():
     table = durations.process_table(records)
     assert "The suite's 6 Python processes used 10 CPU seconds" in table
     assert "| `src/ch4/ddp.py` | 1 | 3 | 30% | test_a.py |" in table
-    assert "| `forked: DataLoader workers, common/spawn.py's processes` | 1 | 1 | 10% | test_a.py |" in table
+    assert "| `forked: warm launches, DataLoader workers, spawn.py's` | 1 | 1 | 10% | test_a.py |" in table
     assert "| `torchrun (the launcher itself)` | 1 | 1 | 10% | test_b.py |" in table
     assert "| `src/ch4/mnist_4_accelerate.py` | 1 | 2 | 20% | test_b.py |" in table  # a script, not the launcher
     assert "| `accelerate launch (the launcher itself)` | 1 | 3 | 30% | test_b.py |" in table
@@ -46,12 +46,18 @@ def test_each_process_counts_once_under_the_program_it_ran():
 
 
 def test_a_process_and_its_forked_child_each_note_their_cpu(tmp_path):
-    """tools/process_costs/ on PYTHONPATH: the process notes itself at exit, and a child forked by multiprocessing,
-    which ends through os._exit (no atexit), notes itself too. Control: without PROCESS_COSTS nothing is noted."""
-    script = ("import multiprocessing as mp\n"
+    """tools/process_costs/ on PYTHONPATH: the process notes itself at exit, a child forked by multiprocessing,
+    which ends through os._exit (no atexit), notes itself too, and so does, once, one that runs the exit functions
+    itself before that end (a warm launch's worker: tests/as_python.py), as does a plain fork that runs them.
+    Control: without PROCESS_COSTS nothing is noted."""
+    script = ("import atexit, multiprocessing as mp, os\n"
               "if __name__ == '__main__':\n"
-              "    child = mp.get_context('fork').Process(target=sum, args=([1, 2],))\n"
-              "    child.start(); child.join()\n")
+              "    for target in (sum, atexit._run_exitfuncs):\n"
+              "        child = mp.get_context('fork').Process(target=target, args=([1, 2],) if target is sum else ())\n"
+              "        child.start(); child.join()\n"
+              "    if os.fork() == 0:\n"
+              "        atexit._run_exitfuncs(); os._exit(0)\n"
+              "    os.wait()\n")
     noted, unnoted = tmp_path / "noted", tmp_path / "unnoted"
     noted.mkdir()
     unnoted.mkdir()
@@ -60,5 +66,5 @@ def test_a_process_and_its_forked_child_each_note_their_cpu(tmp_path):
     for costs in ({"PROCESS_COSTS": str(noted)}, {}):  # the control names no folder, so unnoted stays empty
         subprocess.run([sys.executable, "-c", script], env={**env, **costs}, check=True, timeout=60)
     records = [json.loads(path.read_text()) for path in noted.glob("*.json")]
-    assert sorted(record["forked"] for record in records) == [False, True]
+    assert sorted(record["forked"] for record in records) == [False, True, True, True]
     assert not list(unnoted.iterdir())

@@ -16,16 +16,16 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ACCELERATE, EVAL_PAIRS, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran, run_as_user
+from conftest import ACCELERATE, EVAL_PAIRS, PYTHON, ROOT, TEST_IMAGES, TORCHRUN, TORCHRUN_FRESH, assert_ran, run_as_user
 
 from common.mnist import BasicNet, load_mnist
 
 CH4 = ROOT / "src" / "ch4"
 INSTRUMENT = ROOT / "tests" / "instrument.py"
 CPU_CONFIG = CH4 / "accelerate_configs" / "cpu_2_processes.yaml"
-MNIST_RUNS = {  # name: launcher, world size, global batch, script
-    "torchrun 2": (TORCHRUN + ["--nproc_per_node=2"], 2, 64, "mnist_3_ddp.py"),
-    "torchrun 3": (TORCHRUN + ["--nproc_per_node=3"], 3, 48, "mnist_3_ddp.py"),
+MNIST_RUNS = {  # name: launcher, world size, global batch, script (torchrun itself: ranks as fresh interpreters)
+    "torchrun 2": (TORCHRUN_FRESH + ["--nproc_per_node=2"], 2, 64, "mnist_3_ddp.py"),
+    "torchrun 3": (TORCHRUN_FRESH + ["--nproc_per_node=3"], 3, 48, "mnist_3_ddp.py"),
     "accelerate 2": (ACCELERATE + ["--config_file", CPU_CONFIG], 2, 64, "mnist_4_accelerate.py"),
     "accelerate 3": (ACCELERATE + ["--multi_gpu", "--num_processes", "3", "--num_machines", "1", "--mixed_precision",
                                    "no", "--dynamo_backend", "no"], 3, 48, "mnist_4_accelerate.py"),

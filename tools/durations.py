@@ -116,9 +116,13 @@ def program(record: dict) -> str:
     """What a process ran, as the table names it: a script of the repository, or the launcher or worker."""
     first = record["argv"][0] if record["argv"] else "-c"
     if record["forked"]:
-        return "forked: DataLoader workers, common/spawn.py's processes"
+        return "forked: warm launches, DataLoader workers, spawn.py's"
     if first.endswith("torch/distributed/run.py"):
         return "torchrun (the launcher itself)"
+    if first.endswith("tests/warm_torchrun.py"):
+        return "tests/warm_torchrun.py (the suite's torchrun)"
+    if first.endswith("tests/warm_python.py"):
+        return "tests/warm_python.py (the server of python SCRIPT)"
     if first.endswith("accelerate/commands/launch.py") or first.endswith("bin/accelerate"):
         return "accelerate launch (the launcher itself)"
     if first == "-c":

@@ -3,6 +3,7 @@ the test that started it (tools/durations.py puts this folder on PYTHONPATH and 
 
 A process forked by multiprocessing (a DataLoader worker, a process of common/spawn.py's fork server) ends
 through os._exit, which skips atexit: it notes its own through multiprocessing's exit finalizers instead.
+The suite's warm launches (tests/as_python.py) run the exit functions in their forks: those note there.
 Children are not added in, so that no second is counted twice. On PYTHONPATH, this module is found before
 a sitecustomize of the Python installation, which does not run during such a run.
 """
@@ -18,6 +19,9 @@ FOLDER = os.environ.get("PROCESS_COSTS")
 
 
 def note(forked=False):
+    if os.getpid() in noted:  # a fork that runs the exit functions (tests/as_python.py) has its finalizer too
+        return
+    noted.add(os.getpid())
     usage = resource.getrusage(resource.RUSAGE_SELF)
     record = {"argv": sys.argv[:4], "cpu": usage.ru_utime + usage.ru_stime, "forked": forked,
               "test": os.environ.get("PYTEST_CURRENT_TEST", "")}
@@ -29,7 +33,8 @@ def note_from_a_forked_child(_):
     multiprocessing.util.Finalize(None, note, kwargs={"forked": True}, exitpriority=-1000)
 
 
+noted = set()
 if FOLDER:
     started_by = os.getpid()
-    atexit.register(lambda: os.getpid() == started_by and note())
+    atexit.register(lambda: note(forked=os.getpid() != started_by))  # a fork runs them only if it calls them
     multiprocessing.util.register_after_fork(note, note_from_a_forked_child)

@@ -1,0 +1,104 @@
+"""The suite's launches forked from a process that imported torch once start their processes as fresh
+interpreters do: tests/warm_torchrun.py (the suite's TORCHRUN) each worker as torchrun itself starts it,
+tests/warm_python.py (run_as_user's `python SCRIPT`) each process as python does. The same process facts,
+the same endings. One thing a fork cannot give: each interpreter draws its own hash seed, and forks share
+their parent's; the runs that prove equality across ranks use torchrun itself (TORCHRUN_FRESH)."""
+import json
+import subprocess
+
+import pytest
+import warm_python
+from conftest import PYTHON, ROOT, TORCHRUN, TORCHRUN_FRESH, offline_env, run_as_user
+
+PROBE = ROOT / "tests" / "process_facts.py"
+TORCHS_OWN_FORK = [*TORCHRUN_FRESH, "--run-path", "--start-method", "fork"]  # the negative control: no fresh_process.py
+
+
+def facts_of(folder, processes):
+    facts = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(processes)]
+    return facts, [(folder / f"rank{rank}.exit").exists() for rank in range(processes)]
+
+
+def launch(launcher, folder, end="return", processes=2):
+    folder.mkdir()
+    result = run_as_user(*launcher, f"--nproc_per_node={processes}", "--monitor-interval=0.1", PROBE, end, folder, timeout=60)
+    return (result, *facts_of(folder, processes))
+
+
+def alike(facts):
+    """What must match: each rank's facts, the random draws replaced by whether they differ between ranks."""
+    draws = {rank["numpy draw"] for rank in facts}
+    return [{**{k: v for k, v in rank.items() if k not in ("numpy draw", "hash")}, "numpy draws differ": len(draws) == len(facts)}
+            for rank in facts]
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_a_forked_worker_starts_as_torchrun_starts_one(tmp_path, processes):
+    _, fresh, fresh_exits = launch(TORCHRUN_FRESH, tmp_path / "fresh", processes=processes)
+    _, warm, warm_exits = launch(TORCHRUN, tmp_path / "warm", processes=processes)
+    assert alike(warm) == alike(fresh)
+    assert warm_exits == fresh_exits == [True] * processes
+    assert len({rank["hash"] for rank in fresh}) == processes  # a seed each
+    assert len({rank["hash"] for rank in warm}) == 1  # the launcher's, shared: what only TORCHRUN_FRESH shows
+
+
+def test_torchs_own_fork_would_not(tmp_path):
+    """The negative control: torchrun's --run-path --start-method fork without fresh_process.py leaves each worker in
+    the launcher's session, with its signal handlers, thread name and numpy random state."""
+    _, fresh, _ = launch(TORCHRUN_FRESH, tmp_path / "fresh")
+    _, forked, _ = launch(TORCHS_OWN_FORK, tmp_path / "forked")
+    assert fresh[0]["handlers"]["SIGTERM"] == "default"
+    assert forked[0]["handlers"]["SIGTERM"] == "_terminate_process_handler"
+    assert not forked[0]["own session"] and forked[0]["thread name"] == "pt_elastic"
+    assert alike(forked) != alike(fresh)
+
+
+def test_a_worker_that_ends_its_process_itself_ends_the_run(tmp_path):
+    """common.distributed.exit_process ends each rank's process without returning from the script, after
+    the exit functions: torchrun's fork path alone would wait for such a worker forever."""
+    fresh, _, fresh_exits = launch(TORCHRUN_FRESH, tmp_path / "fresh", "exit_process")
+    warm, _, warm_exits = launch(TORCHRUN, tmp_path / "warm", "exit_process")
+    assert fresh.returncode == warm.returncode == 0, warm.stderr[-2000:]
+    assert warm_exits == fresh_exits == [True, True]
+
+
+def test_a_sentence_to_sys_exit_is_printed_and_fails_the_run(tmp_path):
+    fresh, _, _ = launch(TORCHRUN_FRESH, tmp_path / "fresh", "message")
+    warm, _, _ = launch(TORCHRUN, tmp_path / "warm", "message")
+    assert fresh.returncode == warm.returncode == 1
+    assert "stops with a sentence" in fresh.stderr and "stops with a sentence" in warm.stderr, warm.stderr[-2000:]
+
+
+# ---- python SCRIPT ----
+
+def python(folder, end, warm):
+    folder.mkdir()
+    command = [PROBE, end, folder]
+    result = warm_python.run(command, ROOT, offline_env(), timeout=60) if warm else \
+        subprocess.run([PYTHON, *map(str, command)], cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=60)
+    return (result, *facts_of(folder, 1))
+
+
+@pytest.mark.parametrize("end, code, said", [("return", 0, ""), ("exit_process", 0, ""),
+                                             ("message", 1, "rank 0 stops with a sentence"), ("raise", 1, "ValueError: a bug")])
+def test_a_forked_python_starts_and_ends_as_python_does(tmp_path, end, code, said):
+    fresh, fresh_facts, fresh_exits = python(tmp_path / "fresh", end, warm=False)
+    warm, warm_facts, warm_exits = python(tmp_path / "warm", end, warm=True)
+    assert [{**facts, "numpy draw": 0, "hash": 0} for facts in warm_facts] == [{**facts, "numpy draw": 0, "hash": 0} for facts in fresh_facts]
+    assert fresh.returncode == warm.returncode == code
+    assert said in fresh.stderr and said in warm.stderr, warm.stderr
+    assert ("Traceback" in warm.stderr) == ("Traceback" in fresh.stderr)
+    assert warm_exits == fresh_exits == [True]
+
+
+def test_each_forked_python_draws_its_own_numpy_seed(tmp_path):
+    """Forks of one server would all draw the same numbers: tests/as_python.py's afresh() reseeds each."""
+    draws = {python(tmp_path / str(run), "return", warm=True)[1][0]["numpy draw"] for run in range(3)}
+    assert len(draws) == 3
+
+
+def test_a_forked_python_past_its_time_limit_is_killed_and_the_next_one_runs(tmp_path):
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm_python.run([PROBE, "sleep", tmp_path], ROOT, offline_env(), timeout=3)
+    assert not (tmp_path / "rank0.exit").exists()  # killed, not ended
+    assert python(tmp_path / "next", "return", warm=True)[0].returncode == 0
