@@ -84,8 +84,9 @@ def test_a_file_that_is_not_mnist_is_one_sentence(tiny_mnist, tmp_path):
 
 
 def test_missing_dataset_under_torchrun(run_command, tmp_path):
-    """Local rank 0 says what is missing; the rank waiting for it says why it stops, no traceback."""
-    result = run_command(*TORCHRUN, "--nproc_per_node=2", CH4 / "mnist_3_ddp.py", "--data-dir", tmp_path / "none",
+    """Local rank 0 says what is missing; the rank waiting for it says why it stops, no traceback. (torchrun stops
+    the other ranks at its first check after one fails: a check a second gives rank 1 the time to say it.)"""
+    result = run_command(*TORCHRUN, "--nproc_per_node=2", "--monitor-interval=1", CH4 / "mnist_3_ddp.py", "--data-dir", tmp_path / "none",
                          "--dist-timeout", 60)
     assert result.returncode != 0
     assert "MNIST is not in" in result.stderr and "pass --data-dir" in result.stderr, result.stderr[-3000:]

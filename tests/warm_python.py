@@ -81,6 +81,10 @@ def _start(env: dict) -> dict:
 def run(args: list[str], cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
     """Run `python SCRIPT ARGS` (args without the python) in environment env."""
     with _one_at_a_time:
+        if _server and _server["process"].poll() is not None:  # ended by something else: say what, start another
+            print(f"tests/warm_python.py's server ended (exit {_server['process'].returncode}):\n{_read(_server['log'])}",
+                  file=sys.stderr)
+            _server.clear()
         if _server and _imported_with(env) != _imported_with(_server["env"]):  # the suite's own changed (once)
             _server.pop("process").terminate()
             _server.clear()
@@ -95,10 +99,16 @@ def run(args: list[str], cwd, env: dict, timeout: float) -> subprocess.Completed
                             [out.fileno(), err.fileno()])
             server.shutdown(socket.SHUT_WR)  # the request's end
             replies = server.makefile()
-            pid = int(replies.readline())
+            answer = replies.readline()
+            if not answer:
+                raise RuntimeError(f"tests/warm_python.py's server did not take the command:\n{_read(_server['log'])}")
+            pid = int(answer)
             server.settimeout(timeout)
             try:
-                code = int(replies.readline())
+                end = replies.readline()
+                if not end:
+                    raise RuntimeError(f"tests/warm_python.py's server ended before its process:\n{_read(_server['log'])}")
+                code = int(end)
             except TimeoutError:
                 os.kill(pid, signal.SIGKILL)
                 raise subprocess.TimeoutExpired(args, timeout, *(_text(f) for f in (out, err))) from None
