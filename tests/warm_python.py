@@ -13,6 +13,7 @@ import importlib
 import json
 import locale
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -74,6 +75,7 @@ def _start(env: dict) -> dict:
                                stdout=subprocess.PIPE, stderr=log, text=True)
     if process.stdout.readline() != "ready\n":
         raise RuntimeError(f"tests/warm_python.py's server did not start:\n{_read(log)}")
+    atexit.register(shutil.rmtree, folder, True)  # after the server's end (atexit runs the last registered first)
     atexit.register(process.terminate)
     return {"env": env, "path": path, "process": process, "log": log}
 
