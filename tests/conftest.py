@@ -78,7 +78,8 @@ def run_command():
 PYTHON = sys.executable
 # torchrun itself, and torchrun with each worker forked from its launcher (tests/warm_torchrun.py): the
 # suite's runs, started about 3 CPU seconds a worker sooner. The runs that prove what holds between fresh
-# interpreters (equal weights across ranks, the interpreter's teardown) use torchrun itself.
+# interpreters (equal weights across ranks, the interpreter's teardown) or read torchrun's own summary use
+# torchrun itself.
 TORCHRUN_FRESH = [PYTHON, "-m", "torch.distributed.run", "--standalone"]
 TORCHRUN = [PYTHON, str(ROOT / "tests" / "warm_torchrun.py"), "--standalone"]
 # accelerate launch listens on port 29500 unless told otherwise, and two pytest-xdist workers launching at
