@@ -84,8 +84,11 @@ TORCHRUN_FRESH = [PYTHON, "-m", "torch.distributed.run", "--standalone"]
 TORCHRUN = [PYTHON, str(ROOT / "tests" / "warm_torchrun.py"), "--standalone"]
 # accelerate launch listens on port 29500 unless told otherwise, and two pytest-xdist workers launching at
 # once would race for it: each worker has its own (29500 itself stays the notebooks' notebook_launcher's).
+# The suite's runs fork its processes as TORCHRUN does (tests/warm_accelerate.py); ACCELERATE_FRESH is
+# accelerate launch itself.
 WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
-ACCELERATE = [PYTHON, "-m", "accelerate.commands.launch", "--main_process_port", str(29510 + WORKER)]
+ACCELERATE_FRESH = [PYTHON, "-m", "accelerate.commands.launch", "--main_process_port", str(29510 + WORKER)]
+ACCELERATE = [PYTHON, str(ROOT / "tests" / "warm_accelerate.py"), "--main_process_port", str(29510 + WORKER)]
 
 
 def assert_ran(result, *phrases):

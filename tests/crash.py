@@ -72,7 +72,10 @@ def threads_at_exit() -> None:
     """Registered before the script runs, so that it runs after the script's own exit functions."""
     def show() -> None:
         names = [(task / "comm").read_text().strip() for task in sorted(Path("/proc/self/task").iterdir())]
-        print(f"threads at exit: {', '.join(names)}", flush=True)
+        # one write: print() writes the line and its newline apart, and unbuffered (PYTHONUNBUFFERED) the other
+        # rank's line can land between the two, two lines in one
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), f"threads at exit: {', '.join(names)}\n".encode())
     atexit.register(show)
 
 

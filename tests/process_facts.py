@@ -22,6 +22,7 @@ import torch
 
 end, folder = sys.argv[1], Path(sys.argv[2])
 rank = int(os.environ.get("RANK", 0))
+LAUNCHERS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 
 
 def described(handler) -> str:
@@ -38,6 +39,8 @@ facts = {
     "start method": multiprocessing.get_start_method(allow_none=True),
     "threads": torch.get_num_threads(), "inter-op threads": torch.get_num_interop_threads(),
     "numpy draw": int(numpy.random.randint(2**31)), "hash": hash("a string"),
+    "launcher's variables": {name: value for name, value in sorted(os.environ.items())
+                             if name.startswith("ACCELERATE_") or name in LAUNCHERS_VARIABLES},
 }
 (folder / f"rank{rank}.json").write_text(json.dumps(facts))
 atexit.register(lambda: (folder / f"rank{rank}.exit").write_text("the exit functions ran"))

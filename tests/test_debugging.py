@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TORCHRUN_FRESH, assert_ran, run_as_user
+from conftest import TORCHRUN, TORCHRUN_FRESH, assert_ran, run_as_user
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.diagnose import ReplicaMismatch, check_replicas, dump_stacks_on_hang
@@ -107,11 +107,12 @@ def test_dump_stacks_on_hang_is_silent_when_the_block_finishes(diagnoses):
 
 # The gallery: each planted bug once, each fixed twin once, as a user launches them.
 
-def gallery(name, *flags, processes=2, debug=None, monitor=0.1):
+def gallery(name, *flags, processes=2, debug=None, monitor=0.1, launcher=TORCHRUN):
     """Launch a gallery program with torchrun; monitor: how often torchrun checks its workers (when one
-    fails it stops the others at the next check: a longer interval lets every rank print its error)."""
+    fails it stops the others at the next check: a longer interval lets every rank print its error).
+    The runs that read torchrun's summary of a failed rank use torchrun itself (TORCHRUN_FRESH)."""
     env = {"OMP_NUM_THREADS": "1", **({"TORCH_DISTRIBUTED_DEBUG": debug} if debug else {})}
-    return run_as_user(*TORCHRUN_FRESH, f"--nproc_per_node={processes}", f"--monitor-interval={monitor}",
+    return run_as_user(*launcher, f"--nproc_per_node={processes}", f"--monitor-interval={monitor}",
                        f"src/ch4/debugging/{name}.py", *flags, timeout=120, env_extra=env)
 
 
@@ -168,7 +169,7 @@ def test_a_rank_stuck_outside_a_collective_is_found_by_its_stacks():
 
 
 def test_a_dead_rank_is_the_root_cause_in_torchruns_summary():
-    result = gallery("dead_rank")
+    result = gallery("dead_rank", launcher=TORCHRUN_FRESH)
     assert result.returncode != 0
     cause = root_cause(result)
     assert "rank      : 1 (local_rank: 1)" in cause, cause
@@ -176,7 +177,7 @@ def test_a_dead_rank_is_the_root_cause_in_torchruns_summary():
 
 
 def test_an_unused_parameter_is_named_with_its_rank():
-    result = gallery("unused_parameter", debug="INFO")
+    result = gallery("unused_parameter", debug="INFO", launcher=TORCHRUN_FRESH)
     assert result.returncode != 0
     assert "Parameters which did not receive grad for rank 1: aux.bias, aux.weight" in result.stderr, result.stderr[-3000:]
     assert "rank      : 1 (local_rank: 1)" in root_cause(result)

@@ -1,5 +1,6 @@
 """The suite's launches forked from a process that imported torch once start their processes as fresh
 interpreters do: tests/warm_torchrun.py (the suite's TORCHRUN) each worker as torchrun itself starts it,
+tests/warm_accelerate.py (ACCELERATE) each as accelerate launch does,
 tests/warm_python.py (run_as_user's `python SCRIPT`) each process as python does. The same process facts,
 the same endings. One thing a fork cannot give: each interpreter draws its own hash seed, and forks share
 their parent's; the runs that prove equality across ranks use torchrun itself (TORCHRUN_FRESH)."""
@@ -8,7 +9,7 @@ import subprocess
 
 import pytest
 import warm_python
-from conftest import PYTHON, ROOT, TORCHRUN, TORCHRUN_FRESH, offline_env, run_as_user
+from conftest import ACCELERATE, ACCELERATE_FRESH, PYTHON, ROOT, TORCHRUN, TORCHRUN_FRESH, offline_env, run_as_user
 
 PROBE = ROOT / "tests" / "process_facts.py"
 TORCHS_OWN_FORK = [*TORCHRUN_FRESH, "--run-path", "--start-method", "fork"]  # the negative control: no fresh_process.py
@@ -40,6 +41,24 @@ def test_a_forked_worker_starts_as_torchrun_starts_one(tmp_path, processes):
     assert warm_exits == fresh_exits == [True] * processes
     assert len({rank["hash"] for rank in fresh}) == processes  # a seed each
     assert len({rank["hash"] for rank in warm}) == 1  # the launcher's, shared: what only TORCHRUN_FRESH shows
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_a_forked_worker_starts_as_accelerate_launch_starts_one(tmp_path, processes):
+    """accelerate launch's multi-process path, as the CPU configs select it: the same facts and variables in
+    each worker. The shared hash seed shows the warm launch forked (and a fresh launch did not)."""
+    runs = {}
+    for name, launcher in (("fresh", ACCELERATE_FRESH), ("warm", ACCELERATE)):
+        (tmp_path / name).mkdir()
+        result = run_as_user(*launcher, "--multi_gpu", "--num_processes", processes, "--num_machines", 1, "--mixed_precision",
+                             "no", "--dynamo_backend", "no", PROBE, "return", tmp_path / name, timeout=90)
+        assert result.returncode == 0, result.stderr[-2000:]
+        runs[name] = facts_of(tmp_path / name, processes)
+    (fresh, fresh_exits), (warm, warm_exits) = runs["fresh"], runs["warm"]
+    assert alike(warm) == alike(fresh)
+    assert fresh[0]["launcher's variables"]["ACCELERATE_MIXED_PRECISION"] == "no"
+    assert warm_exits == fresh_exits == [True] * processes
+    assert len({rank["hash"] for rank in fresh}) == processes and len({rank["hash"] for rank in warm}) == 1
 
 
 def test_torchs_own_fork_would_not(tmp_path):

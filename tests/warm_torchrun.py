@@ -16,12 +16,22 @@ from torch.distributed.run import parse_args, run
 
 FRESH = Path(__file__).resolve().with_name("fresh_process.py")
 
-if __name__ == "__main__":
+
+def preload():
     for module in PRELOAD:
         importlib.import_module(module)
-    args = parse_args(sys.argv[1:])
+
+
+def forked(args):
+    """torchrun's parsed arguments, changed to fork each worker into tests/fresh_process.py (tests/warm_accelerate.py
+    changes accelerate's the same way)."""
     if args.no_python or args.module or args.run_path:
-        sys.exit("warm_torchrun runs a Python script: use torchrun itself for --no-python, --module or --run-path")
+        sys.exit("a warm launch runs a Python script: use the launcher itself for --no-python, --module or --run-path")
     args.training_script_args = [args.training_script, *args.training_script_args]
     args.training_script, args.run_path, args.start_method = str(FRESH), True, "fork"
-    record(run)(args)
+    return args
+
+
+if __name__ == "__main__":
+    preload()
+    record(run)(forked(parse_args(sys.argv[1:])))
