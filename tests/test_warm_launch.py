@@ -5,7 +5,9 @@ tests/warm_python.py (run_as_user's `python SCRIPT`) each process as python does
 the same endings. One thing a fork cannot give: each interpreter draws its own hash seed, and forks share
 their parent's; the runs that prove equality across ranks use torchrun itself (TORCHRUN_FRESH)."""
 import json
+import signal
 import subprocess
+import textwrap
 
 import pytest
 import warm_python
@@ -121,3 +123,28 @@ def test_a_forked_python_past_its_time_limit_is_killed_and_the_next_one_runs(tmp
         warm_python.run([PROBE, "sleep", tmp_path], ROOT, offline_env(), timeout=3)
     assert not (tmp_path / "rank0.exit").exists()  # killed, not ended
     assert python(tmp_path / "next", "return", warm=True)[0].returncode == 0
+
+
+SIGNALS = ("import json, signal; print(json.dumps({name: str(signal.getsignal(getattr(signal, name))) "
+           "for name in ('SIGHUP', 'SIGINT', 'SIGTERM', 'SIGUSR1', 'SIGPIPE')}), flush=True)")
+
+
+def as_nohup_starts_it():
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("forget", [False, True])
+def test_a_signal_ignored_from_the_start_stays_ignored_in_a_fork(forget):
+    """`nohup make test` ignores SIGHUP from the start, and a fresh interpreter inherits that (exec keeps an ignored
+    signal and resets a handled one to its default); a fork after afresh() has the same. Control: afresh() that
+    forgets what its process started with ignored resets SIGHUP to the default, and the two differ."""
+    forked = "\n".join(["import os, signal, sys", "sys.path.insert(0, 'tests')", "import as_python",
+                        "as_python.IGNORED_AT_START = frozenset()" if forget else "",
+                        "signal.signal(signal.SIGTERM, print)  # a launcher's handler",
+                        "if os.fork() == 0:", "    as_python.afresh()", textwrap.indent(SIGNALS, "    "), "    os._exit(0)",
+                        "os.wait()"])
+    fresh, warm = (subprocess.run([PYTHON, "-c", code], cwd=ROOT, preexec_fn=as_nohup_starts_it, capture_output=True,
+                                  text=True, timeout=60) for code in (SIGNALS, forked))
+    assert fresh.returncode == warm.returncode == 0, warm.stderr
+    assert json.loads(fresh.stdout)["SIGHUP"] == str(signal.SIG_IGN)
+    assert (json.loads(warm.stdout) == json.loads(fresh.stdout)) != forget, (warm.stdout, fresh.stdout)
