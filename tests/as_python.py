@@ -24,15 +24,14 @@ from pathlib import Path
 import torch
 
 PRELOAD = ["torch", "torch._dynamo", "numpy"]  # what the parent imports once (every optimizer imports torch._dynamo)
-# The signals this process was started with ignored (nohup ignores SIGHUP), read as it imports this module, before
-# it sets a handler: exec keeps an ignored signal ignored, so a fresh interpreter started where this one was has them
-# ignored too, and Python's own start leaves them so.
-IGNORED_AT_START = frozenset(number for number in signal.valid_signals() if signal.getsignal(number) == signal.SIG_IGN)
 
 
 def afresh() -> None:
-    for number in set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}:  # python's own at its start
-        handler = signal.SIG_IGN if number in IGNORED_AT_START else \
+    # A new process gets its parent's signals as exec leaves them: a handled one back to its default, an ignored one
+    # still ignored (nohup ignores SIGHUP; a shell without job control, SIGINT and SIGQUIT in a background
+    # command); then Python's start sets its own.
+    for number in set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}:
+        handler = signal.SIG_IGN if signal.getsignal(number) == signal.SIG_IGN else \
             {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN, signal.SIGXFSZ: signal.SIG_IGN}.get(number, signal.SIG_DFL)
         try:
             signal.signal(number, handler)
