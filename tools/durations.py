@@ -122,6 +122,8 @@ def program(record: dict) -> str:
         return "torchrun (the launcher itself)"
     if first.endswith("tests/warm_torchrun.py"):
         return "tests/warm_torchrun.py (the suite's torchrun)"
+    if first.endswith("tests/warm_accelerate.py"):
+        return "tests/warm_accelerate.py (the suite's accelerate launch)"
     if first.endswith("tests/warm_python.py"):
         return "tests/warm_python.py (the server of python SCRIPT)"
     if first.endswith("accelerate/commands/launch.py") or first.endswith("bin/accelerate"):
