@@ -23,8 +23,16 @@ def facts_of(folder, processes):
 
 
 def launch(launcher, folder, end="return", processes=2):
+    """The probe under torchrun (its flags for the process count) or accelerate launch (its own)."""
     folder.mkdir()
-    result = run_as_user(*launcher, f"--nproc_per_node={processes}", "--monitor-interval=0.1", PROBE, end, folder, timeout=60)
+    if launcher in (ACCELERATE, ACCELERATE_FRESH):
+        sized, timeout = ["--multi_gpu", "--num_processes", processes, "--num_machines", 1, "--mixed_precision", "no",
+                          "--dynamo_backend", "no"], 90
+    else:
+        sized, timeout = [f"--nproc_per_node={processes}", "--monitor-interval=0.1"], 60
+    result = run_as_user(*launcher, *sized, PROBE, end, folder, timeout=timeout)
+    if not all((folder / f"rank{rank}.json").exists() for rank in range(processes)):
+        pytest.fail(f"a rank did not start (exit {result.returncode}):\n{result.stderr[-2000:]}")
     return (result, *facts_of(folder, processes))
 
 
@@ -49,14 +57,9 @@ def test_a_forked_worker_starts_as_torchrun_starts_one(tmp_path, processes):
 def test_a_forked_worker_starts_as_accelerate_launch_starts_one(tmp_path, processes):
     """accelerate launch's multi-process path, as the CPU configs select it: the same facts and variables in
     each worker. The shared hash seed shows the warm launch forked (and a fresh launch did not)."""
-    runs = {}
-    for name, launcher in (("fresh", ACCELERATE_FRESH), ("warm", ACCELERATE)):
-        (tmp_path / name).mkdir()
-        result = run_as_user(*launcher, "--multi_gpu", "--num_processes", processes, "--num_machines", 1, "--mixed_precision",
-                             "no", "--dynamo_backend", "no", PROBE, "return", tmp_path / name, timeout=90)
-        assert result.returncode == 0, result.stderr[-2000:]
-        runs[name] = facts_of(tmp_path / name, processes)
-    (fresh, fresh_exits), (warm, warm_exits) = runs["fresh"], runs["warm"]
+    fresh_run, fresh, fresh_exits = launch(ACCELERATE_FRESH, tmp_path / "fresh", processes=processes)
+    warm_run, warm, warm_exits = launch(ACCELERATE, tmp_path / "warm", processes=processes)
+    assert fresh_run.returncode == warm_run.returncode == 0, warm_run.stderr[-2000:]
     assert alike(warm) == alike(fresh)
     assert fresh[0]["launcher's variables"]["ACCELERATE_MIXED_PRECISION"] == "no"
     assert warm_exits == fresh_exits == [True] * processes

@@ -78,7 +78,9 @@ def per_test(report: str) -> dict[str, float]:
 def short(name: str, width: int = 90) -> str:
     """A test's id cut to fit a table's column (parameters can be whole sentences); `|` would end the cell, and a
     path in a parameter is its file's name (cut, a path would name a file that is not there)."""
-    name = re.sub(r"[\w.-]+/(?=[\w.-])", "", name.replace("|", "/")) if "[" in name else name.replace("|", "/")
+    name = name.replace("|", "/")
+    if "[" in name:
+        name = re.sub(r"[\w.-]+/(?=[\w.-])", "", name)
     return name if len(name) <= width else name[:width - 1] + "…"
 
 
