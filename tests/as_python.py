@@ -26,12 +26,19 @@ import torch
 PRELOAD = ["torch", "torch._dynamo", "numpy"]  # what the parent imports once (every optimizer imports torch._dynamo)
 
 
-def afresh() -> None:
+def ignored_signals() -> list[int]:
+    """The signals this process ignores now: those a process it starts keeps ignored."""
+    return sorted(number for number in signal.valid_signals() if signal.getsignal(number) == signal.SIG_IGN)
+
+
+def afresh(ignored=None) -> None:
+    """ignored: the signals ignored by the process that asked for this one (by default, the fork's parent)."""
     # A new process gets its parent's signals as exec leaves them: a handled one back to its default, an ignored one
     # still ignored (nohup ignores SIGHUP; a shell without job control, SIGINT and SIGQUIT in a background
     # command); then Python's start sets its own.
+    ignored = set(ignored_signals() if ignored is None else ignored)
     for number in set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}:
-        handler = signal.SIG_IGN if signal.getsignal(number) == signal.SIG_IGN else \
+        handler = signal.SIG_IGN if number in ignored else \
             {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN, signal.SIGXFSZ: signal.SIG_IGN}.get(number, signal.SIG_DFL)
         try:
             signal.signal(number, handler)

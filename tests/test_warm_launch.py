@@ -155,3 +155,30 @@ def test_the_signals_a_parent_ignores_stay_ignored_in_a_fork(blind):
     fresh, forked = map(json.loads, result.stdout.splitlines())
     assert fresh["SIGHUP"] == fresh["SIGQUIT"] == str(signal.SIG_IGN) and fresh["SIGINT"] != str(signal.SIG_IGN)
     assert (forked == fresh) != blind, (forked, fresh)
+
+
+@pytest.mark.parametrize("blind", [False, True])
+def test_a_forked_python_ignores_the_signals_its_caller_ignores_now(tmp_path, monkeypatch, blind):
+    """The server keeps the signals ignored at its start; the caller may ignore others since (a test, a library,
+    a shell's background command ending its job control): the fork has the caller's, as its own `python` would.
+    Control: a request without them leaves the server's, and the two differ."""
+    monkeypatch.setattr(warm_python, "_server", {})  # a server of this test's own, started while SIGUSR2 is ignored
+    if blind:
+        monkeypatch.setattr(warm_python, "ignored_signals", lambda: None)
+    script = tmp_path / "signals.py"
+    script.write_text(SIGNALS.replace("'SIGPIPE'", "'SIGPIPE', 'SIGUSR2'"))
+    before = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        warm_python.run([script], ROOT, offline_env(), timeout=60)
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+    before = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        fresh = subprocess.run([PYTHON, script], cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=60)
+        warm = warm_python.run([script], ROOT, offline_env(), timeout=60)
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+        warm_python._server["process"].terminate()
+    fresh, warm = json.loads(fresh.stdout), json.loads(warm.stdout)
+    assert fresh["SIGUSR1"] == str(signal.SIG_IGN) and fresh["SIGUSR2"] != str(signal.SIG_IGN)
+    assert (warm == fresh) != blind, (warm, fresh)

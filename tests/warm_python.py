@@ -2,7 +2,8 @@
 
 run() hands the command to a server (one per pytest worker, started at its first call, ended with it) that
 forks a process for it: the fork takes the command's folder and output files, is made what a new
-interpreter would be (tests/as_python.py), runs the script, and exits with its code. The server reports the
+interpreter would be (tests/as_python.py), with the signals the caller ignores now still ignored (those of
+the server's own start may have changed since), runs the script, and exits with its code. The server reports the
 process's number, then its end. The server's environment is the command's (but for the name of the test
 that runs it, which pytest changes for each): a fresh interpreter reads some variables as it imports torch,
 so a command in another environment gets a new server.
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import threading
 
-from as_python import PRELOAD, afresh
+from as_python import PRELOAD, afresh, ignored_signals
 from as_python import run as run_script
 
 _server = {}
@@ -54,7 +55,7 @@ def _serve(path: str) -> None:
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(request["env"])
-            afresh()
+            afresh(request["ignored"])
             os._exit(run_script(request["argv"]))
         for fd in fds:
             os.close(fd)
@@ -97,7 +98,8 @@ def run(args: list[str], cwd, env: dict, timeout: float) -> subprocess.Completed
                 server.connect(_server["path"])
             except OSError as refused:
                 raise RuntimeError(f"tests/warm_python.py's server is gone ({refused}):\n{_read(_server['log'])}") from None
-            socket.send_fds(server, [json.dumps({"argv": [str(a) for a in args], "cwd": str(cwd), "env": env}).encode()],
+            socket.send_fds(server, [json.dumps({"argv": [str(a) for a in args], "cwd": str(cwd), "env": env,
+                                                  "ignored": ignored_signals()}).encode()],
                             [out.fileno(), err.fileno()])
             server.shutdown(socket.SHUT_WR)  # the request's end
             replies = server.makefile()
