@@ -59,10 +59,10 @@ def offline_env(extra=None) -> dict:
 
 def run_as_user(*args, cwd=ROOT, timeout=180, env_extra=None):
     """Run a command as a user would, from the repository root, offline, with a time limit. `python SCRIPT`
-    in the suite's own environment runs forked from a process that has imported torch (tests/warm_python.py)."""
+    runs forked from a process that has imported torch in the same environment (tests/warm_python.py)."""
     env = offline_env(env_extra)
     try:
-        if args[0] == PYTHON and str(args[1]).endswith(".py") and not env_extra:
+        if args[0] == PYTHON and str(args[1]).endswith(".py"):
             return warm_python.run(args[1:], cwd, env, timeout)
         return subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)

@@ -95,11 +95,11 @@ def test_a_sentence_to_sys_exit_is_printed_and_fails_the_run(tmp_path):
 
 # ---- python SCRIPT ----
 
-def python(folder, end, warm):
+def python(folder, end, warm, env_extra=None):
     folder.mkdir()
-    command = [PROBE, end, folder]
-    result = warm_python.run(command, ROOT, offline_env(), timeout=60) if warm else \
-        subprocess.run([PYTHON, *map(str, command)], cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=60)
+    command, env = [PROBE, end, folder], offline_env(env_extra)
+    result = warm_python.run(command, ROOT, env, timeout=60) if warm else \
+        subprocess.run([PYTHON, *map(str, command)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     return (result, *facts_of(folder, 1))
 
 
@@ -113,6 +113,33 @@ def test_a_forked_python_starts_and_ends_as_python_does(tmp_path, end, code, sai
     assert said in fresh.stderr and said in warm.stderr, warm.stderr
     assert ("Traceback" in warm.stderr) == ("Traceback" in fresh.stderr)
     assert warm_exits == fresh_exits == [True]
+
+
+@pytest.mark.parametrize("blind", [False, True])
+def test_a_forked_python_in_another_environment_starts_as_python_does_in_it(tmp_path, monkeypatch, blind):
+    """A fresh interpreter reads its environment as it starts (here PYTHONPATH into sys.path and
+    PYTHONDONTWRITEBYTECODE into sys.flags): a command in an environment other than the suite's gets a server
+    started in it. Control: servers shared across environments, and the fork has the first one's."""
+    if blind:
+        monkeypatch.setattr(warm_python, "_imported_with", lambda env: {})
+    python(tmp_path / "suite", "return", warm=True)  # the suite's environment, and its server, first
+    other = {"PYTHONPATH": str(tmp_path / "lib"), "PYTHONDONTWRITEBYTECODE": "1"}
+    _, fresh, _ = python(tmp_path / "fresh", "return", warm=False, env_extra=other)
+    _, warm, _ = python(tmp_path / "warm", "return", warm=True, env_extra=other)
+    assert fresh[0]["sys.path after it"][0] == other["PYTHONPATH"] and not fresh[0]["writes bytecode"]
+    assert (alike(warm) == alike(fresh)) != blind
+
+
+def test_forked_pythons_run_side_by_side(tmp_path):
+    """One server forks each command as it comes: the first waits for a file only the second writes."""
+    waiter, writer = tmp_path / "wait.py", tmp_path / "write.py"
+    waiter.write_text(f"import pathlib, time\nwhile not pathlib.Path({str(tmp_path / 'written')!r}).exists(): time.sleep(0.05)\n")
+    writer.write_text(f"import pathlib\npathlib.Path({str(tmp_path / 'written')!r}).write_text('')\n")
+    with open(tmp_path / "out", "w") as out:
+        first = warm_python.start([waiter], ROOT, offline_env(), out, out)
+        second = warm_python.start([writer], ROOT, offline_env(), out, out)
+        assert second.wait(timeout=30) == 0
+        assert first.wait(timeout=30) == 0
 
 
 def test_each_forked_python_draws_its_own_numpy_seed(tmp_path):
@@ -162,23 +189,22 @@ def test_a_forked_python_ignores_the_signals_its_caller_ignores_now(tmp_path, mo
     """The server keeps the signals ignored at its start; the caller may ignore others since (a test, a library,
     a shell's background command ending its job control): the fork has the caller's, as its own `python` would.
     Control: a request without them leaves the server's, and the two differ."""
-    monkeypatch.setattr(warm_python, "_server", {})  # a server of this test's own, started while SIGUSR2 is ignored
     if blind:
         monkeypatch.setattr(warm_python, "ignored_signals", lambda: None)
     script = tmp_path / "signals.py"
     script.write_text(SIGNALS.replace("'SIGPIPE'", "'SIGPIPE', 'SIGUSR2'"))
+    env = offline_env({"SIGNALS_TEST": str(tmp_path)})  # an environment, and so a server, of this test's own
     before = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     try:
-        warm_python.run([script], ROOT, offline_env(), timeout=60)
+        warm_python.run([script], ROOT, env, timeout=60)  # the server starts, SIGUSR2 ignored
     finally:
         signal.signal(signal.SIGUSR2, before)
     before = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
-        fresh = subprocess.run([PYTHON, script], cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=60)
-        warm = warm_python.run([script], ROOT, offline_env(), timeout=60)
+        fresh = subprocess.run([PYTHON, script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        warm = warm_python.run([script], ROOT, env, timeout=60)
     finally:
         signal.signal(signal.SIGUSR1, before)
-        warm_python._server["process"].terminate()
     fresh, warm = json.loads(fresh.stdout), json.loads(warm.stdout)
     assert fresh["SIGUSR1"] == str(signal.SIG_IGN) and fresh["SIGUSR2"] != str(signal.SIG_IGN)
     assert (warm == fresh) != blind, (warm, fresh)

@@ -1,12 +1,17 @@
 """`python SCRIPT ARGS` for the suite, forked from a process that has imported torch once.
 
-run() hands the command to a server (one per pytest worker, started at its first call, ended with it) that
-forks a process for it: the fork takes the command's folder and output files, is made what a new
-interpreter would be (tests/as_python.py), with the signals the caller ignores now still ignored (those of
-the server's own start may have changed since), runs the script, and exits with its code. The server reports the
-process's number, then its end. The server's environment is the command's (but for the name of the test
-that runs it, which pytest changes for each): a fresh interpreter reads some variables as it imports torch,
-so a command in another environment gets a new server.
+start() hands the command to a server that forks a process for it and returns it as subprocess.Popen shows
+one (pid, poll(), wait(), returncode); run() starts one and waits, as subprocess.run does. The fork takes the
+command's folder and output files, is made what a new interpreter would be (tests/as_python.py), with the
+signals the caller ignores now still ignored (those of the server's own start may have changed since), runs
+the script, and exits with its code. The server reports the process's number, then its end, and forks the
+next command at once, so processes may run side by side (a test's replica groups).
+
+A server is a fresh interpreter started in the command's environment: a new interpreter reads some variables
+as it starts and imports torch (PYTHONPATH, CUDA_VISIBLE_DEVICES, ...), so each environment (but for the name
+of the test that runs it, which pytest changes for each) has a server of its own. A pytest worker starts one
+at its first command in an environment, keeps the SERVERS it used last (each holds an imported torch), and
+ends them with it.
 """
 import atexit
 import ctypes
@@ -14,6 +19,8 @@ import importlib
 import json
 import locale
 import os
+import select
+import selectors
 import shutil
 import signal
 import socket
@@ -21,12 +28,15 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+import weakref
 
 from as_python import PRELOAD, afresh, ignored_signals
 from as_python import run as run_script
 
-_server = {}
-_one_at_a_time = threading.Lock()
+SERVERS = 3
+_servers = {}  # the started servers by environment, the one used last at the end
+_lock = threading.Lock()
 
 
 def _serve(path: str) -> None:
@@ -37,35 +47,151 @@ def _serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path)
     listener.listen()
+    waiting = selectors.DefaultSelector()  # the listener, and a pidfd for each running process: readable at its end
+    waiting.register(listener, selectors.EVENT_READ)
     print("ready", flush=True)
     while True:
-        connection, _ = listener.accept()
-        message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 2)
-        with connection.makefile("rb") as rest:  # a stream: the request may come in more than one piece
-            message += rest.read()
-        request = json.loads(message)
-        pid = os.fork()
-        if pid == 0:
-            listener.close()
-            connection.close()
-            for fd, target in zip(fds, (1, 2)):
-                os.dup2(fd, target)
-                os.close(fd)
-            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-            os.chdir(request["cwd"])
-            os.environ.clear()
-            os.environ.update(request["env"])
-            afresh(request["ignored"])
-            os._exit(run_script(request["argv"]))
+        for key, _ in waiting.select():
+            if key.fileobj is listener:
+                connection, _ = listener.accept()
+                pid = _fork(connection, waiting)
+                try:
+                    connection.sendall(f"{pid}\n".encode())
+                except OSError:  # the caller is gone: its process still runs, and is waited for
+                    pass
+                waiting.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, connection))
+            else:
+                pid, connection = key.data
+                waiting.unregister(key.fd)
+                os.close(key.fd)
+                _, status = os.waitpid(pid, 0)
+                try:
+                    connection.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                except OSError:  # the caller gave up on it (its time limit): it killed the process
+                    pass
+                connection.close()
+
+
+def _fork(connection: socket.socket, waiting: selectors.BaseSelector) -> int:
+    """Read a request and fork its process; return its pid."""
+    message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 2)
+    with connection.makefile("rb") as rest:  # a stream: the request may come in more than one piece
+        message += rest.read()
+    request = json.loads(message)
+    pid = os.fork()
+    if pid:
         for fd in fds:
             os.close(fd)
+        return pid
+    for key in list(waiting.get_map().values()):  # the listener, the other processes' pidfds and their callers
+        if key.data:
+            os.close(key.fd)
+            key.data[1].close()
+        else:
+            key.fileobj.close()
+    connection.close()
+    for fd, target in zip(fds, (1, 2)):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        os.close(fd)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    if request["new_session"]:
+        os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    afresh(request["ignored"])
+    os._exit(run_script(request["argv"]))
+
+
+class Process:
+    """A process a server forked, as subprocess.Popen shows one: its pid, poll(), wait() and returncode."""
+
+    def __init__(self, args: list, connection: socket.socket, log):
+        self.args, self.returncode = args, None
+        self._connection, self._log, self._received = connection, log, b""
+        answer = self._line(None)
+        if answer is None:
+            raise RuntimeError(f"tests/warm_python.py's server did not take the command:\n{_read(log)}")
+        self.pid = int(answer)
+
+    def _line(self, timeout: float | None) -> str | None:
+        """The server's next line, None if it closed the connection first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._received:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and (left <= 0 or not select.select([self._connection], [], [], left)[0]):
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            piece = self._connection.recv(64)
+            if not piece:
+                return None
+            self._received += piece
+        line, self._received = self._received.split(b"\n", 1)
+        return line.decode()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            end = self._line(timeout)
+            if end is None:
+                raise RuntimeError(f"tests/warm_python.py's server ended before its process:\n{_read(self._log)}")
+            self.returncode = int(end)
+            self._connection.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
         try:
-            connection.sendall(f"{pid}\n".encode())
-            _, status = os.waitpid(pid, 0)
-            connection.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
-        except OSError:  # the caller gave up on it (its time limit): it killed the process
-            pass
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def start(args: list, cwd, env: dict, stdout, stderr, new_session: bool = False) -> Process:
+    """Start `python SCRIPT ARGS` (args without the python) in environment env, its output into the files
+    stdout and stderr (either may be the other), in a session of its own if new_session."""
+    server = _server_for(env)
+    connection = socket.socket(socket.AF_UNIX)
+    try:
+        connection.connect(server["path"])
+    except OSError as refused:
         connection.close()
+        raise RuntimeError(f"tests/warm_python.py's server is gone ({refused}):\n{_read(server['log'])}") from None
+    request = {"argv": [str(a) for a in args], "cwd": str(cwd), "env": env, "new_session": new_session,
+               "ignored": ignored_signals()}
+    socket.send_fds(connection, [json.dumps(request).encode()], [stdout.fileno(), stderr.fileno()])
+    connection.shutdown(socket.SHUT_WR)  # the request's end
+    process = Process(args, connection, server["log"])
+    server["started"].add(process)
+    return process
+
+
+def run(args: list, cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Run `python SCRIPT ARGS` (args without the python) in environment env, as subprocess.run(text=True) would."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        process = start(args, cwd, env, out, err)
+        try:
+            code = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            raise subprocess.TimeoutExpired(args, timeout, _text(out), _text(err)) from None
+        return subprocess.CompletedProcess(args, code, _text(out), _text(err))
+
+
+def _server_for(env: dict) -> dict:
+    """The server of this environment, started if there is none; the least recently used one ended past SERVERS."""
+    key = json.dumps(_imported_with(env), sort_keys=True)
+    with _lock:
+        server = _servers.pop(key, None)
+        if server and server["process"].poll() is not None:  # ended by something else: say what, start another
+            print(f"tests/warm_python.py's server ended (exit {server['process'].returncode}):\n{_read(server['log'])}",
+                  file=sys.stderr)
+            server = None
+        if server is None:
+            idle = [name for name, other in _servers.items() if all(p.returncode is not None for p in other["started"])]
+            while len(_servers) >= SERVERS and idle:  # one whose processes still run stays: they report to it
+                _servers.pop(idle.pop(0))["process"].terminate()
+            server = _start(env)
+        _servers[key] = server
+        return server
 
 
 def _start(env: dict) -> dict:
@@ -78,45 +204,7 @@ def _start(env: dict) -> dict:
         raise RuntimeError(f"tests/warm_python.py's server did not start:\n{_read(log)}")
     atexit.register(shutil.rmtree, folder, True)  # after the server's end (atexit runs the last registered first)
     atexit.register(process.terminate)
-    return {"env": env, "path": path, "process": process, "log": log}
-
-
-def run(args: list[str], cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """Run `python SCRIPT ARGS` (args without the python) in environment env."""
-    with _one_at_a_time:
-        if _server and _server["process"].poll() is not None:  # ended by something else: say what, start another
-            print(f"tests/warm_python.py's server ended (exit {_server['process'].returncode}):\n{_read(_server['log'])}",
-                  file=sys.stderr)
-            _server.clear()
-        if _server and _imported_with(env) != _imported_with(_server["env"]):  # the suite's own changed (once)
-            _server.pop("process").terminate()
-            _server.clear()
-        if not _server:
-            _server.update(_start(env))
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, socket.socket(socket.AF_UNIX) as server:
-            try:
-                server.connect(_server["path"])
-            except OSError as refused:
-                raise RuntimeError(f"tests/warm_python.py's server is gone ({refused}):\n{_read(_server['log'])}") from None
-            socket.send_fds(server, [json.dumps({"argv": [str(a) for a in args], "cwd": str(cwd), "env": env,
-                                                  "ignored": ignored_signals()}).encode()],
-                            [out.fileno(), err.fileno()])
-            server.shutdown(socket.SHUT_WR)  # the request's end
-            replies = server.makefile()
-            answer = replies.readline()
-            if not answer:
-                raise RuntimeError(f"tests/warm_python.py's server did not take the command:\n{_read(_server['log'])}")
-            pid = int(answer)
-            server.settimeout(timeout)
-            try:
-                end = replies.readline()
-                if not end:
-                    raise RuntimeError(f"tests/warm_python.py's server ended before its process:\n{_read(_server['log'])}")
-                code = int(end)
-            except TimeoutError:
-                os.kill(pid, signal.SIGKILL)
-                raise subprocess.TimeoutExpired(args, timeout, *(_text(f) for f in (out, err))) from None
-            return subprocess.CompletedProcess(args, code, _text(out), _text(err))
+    return {"path": path, "process": process, "log": log, "started": weakref.WeakSet()}
 
 
 def _read(log) -> str:
@@ -125,7 +213,7 @@ def _read(log) -> str:
 
 
 def _imported_with(env: dict) -> dict:
-    """The variables a process could read as it imports torch: all but the one pytest sets for each test."""
+    """The variables a process could read as it starts: all but the one pytest sets for each test."""
     return {name: value for name, value in env.items() if name != "PYTEST_CURRENT_TEST"}
 
 
