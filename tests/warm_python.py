@@ -9,7 +9,8 @@ next command at once, so processes may run side by side (a test's replica groups
 
 A server is a fresh interpreter started in the command's environment: a new interpreter reads some variables
 as it starts and imports torch (PYTHONPATH, CUDA_VISIBLE_DEVICES, ...), so each environment (but for the name
-of the test that runs it, which pytest changes for each) has a server of its own. A pytest worker starts one
+of the test that runs it, which pytest changes for each, and tests/crash.py's folder for the samples it
+records) has a server of its own. A pytest worker starts one
 at its first command in an environment, keeps the SERVERS it used last (each holds an imported torch), and
 ends them with it.
 """
@@ -34,7 +35,7 @@ import weakref
 from as_python import PRELOAD, afresh, ignored_signals
 from as_python import run as run_script
 
-SERVERS = 3
+SERVERS = 4
 _servers = {}  # the started servers by environment, the one used last at the end
 _lock = threading.Lock()
 
@@ -213,8 +214,9 @@ def _read(log) -> str:
 
 
 def _imported_with(env: dict) -> dict:
-    """The variables a process could read as it starts: all but the one pytest sets for each test."""
-    return {name: value for name, value in env.items() if name != "PYTEST_CURRENT_TEST"}
+    """The variables a process could read as it starts: all but those that name what a test runs, read as it
+    runs: the test's name (pytest sets it for each), the folder tests/crash.py records samples into."""
+    return {name: value for name, value in env.items() if name not in ("PYTEST_CURRENT_TEST", "RECORD_SAMPLES")}
 
 
 def _text(file) -> str:
