@@ -35,7 +35,7 @@ facts = {
                  for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGPIPE", "SIGCHLD")},
     "__name__": __name__, "__spec__": repr(__spec__), "__loader__": type(__loader__).__name__, "__file__": __file__,
     "argv": sys.argv[:2], "sys.path[0] is the script's folder": sys.path[0] == str(Path(__file__).parent),
-    "sys.path after it": sys.path[1:], "writes bytecode": not sys.flags.dont_write_bytecode,
+    "sys.path after it": sys.path[1:], "interpreter flags": repr(sys.flags),
     "thread name": Path("/proc/self/comm").read_text().strip(),
     "start method": multiprocessing.get_start_method(allow_none=True),
     "threads": torch.get_num_threads(), "inter-op threads": torch.get_num_interop_threads(),

@@ -117,16 +117,16 @@ def test_a_forked_python_starts_and_ends_as_python_does(tmp_path, end, code, sai
 
 @pytest.mark.parametrize("blind", [False, True])
 def test_a_forked_python_in_another_environment_starts_as_python_does_in_it(tmp_path, monkeypatch, blind):
-    """A fresh interpreter reads its environment as it starts (here PYTHONPATH into sys.path and
-    PYTHONDONTWRITEBYTECODE into sys.flags): a command in an environment other than the suite's gets a server
-    started in it. Control: servers shared across environments, and the fork has the first one's."""
+    """A fresh interpreter reads its environment as it starts (here PYTHONPATH into sys.path and PYTHONOPTIMIZE
+    into sys.flags): a command in an environment other than the suite's gets a server started in it. Control:
+    servers shared across environments, and the fork has the first one's."""
     if blind:
         monkeypatch.setattr(warm_python, "_imported_with", lambda env: {})
     python(tmp_path / "suite", "return", warm=True)  # the suite's environment, and its server, first
-    other = {"PYTHONPATH": str(tmp_path / "lib"), "PYTHONDONTWRITEBYTECODE": "1"}
+    other = {"PYTHONPATH": str(tmp_path / "lib"), "PYTHONOPTIMIZE": "1"}
     _, fresh, _ = python(tmp_path / "fresh", "return", warm=False, env_extra=other)
     _, warm, _ = python(tmp_path / "warm", "return", warm=True, env_extra=other)
-    assert fresh[0]["sys.path after it"][0] == other["PYTHONPATH"] and not fresh[0]["writes bytecode"]
+    assert fresh[0]["sys.path after it"][0] == other["PYTHONPATH"] and "optimize=1" in fresh[0]["interpreter flags"]
     assert (alike(warm) == alike(fresh)) != blind
 
 

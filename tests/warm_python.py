@@ -10,9 +10,8 @@ next command at once, so processes may run side by side (a test's replica groups
 A server is a fresh interpreter started in the command's environment: a new interpreter reads some variables
 as it starts and imports torch (PYTHONPATH, CUDA_VISIBLE_DEVICES, ...), so each environment (but for the name
 of the test that runs it, which pytest changes for each, and tests/crash.py's folder for the samples it
-records) has a server of its own. A pytest worker starts one
-at its first command in an environment, keeps the SERVERS it used last (each holds an imported torch), and
-ends them with it.
+records) has a server of its own. A pytest worker starts one at its first command in an environment, keeps
+the SERVERS it used last (each holds an imported torch), and ends them with it.
 """
 import atexit
 import ctypes
