@@ -13,7 +13,7 @@ wall time. A test over BUDGET seconds is flagged in its row, and --check exits 1
 
 Under --run every Python process of the suite notes its own CPU seconds as it ends (tools/process_costs/,
 put on PYTHONPATH; build/process_costs/ holds the notes), and a last table sums them per launched program:
-on 2 cores the suite keeps both busy nearly all along, so these seconds are most of its time (waits, such as
+on 2 cores the suite keeps both busy most of the time, so these seconds are most of its time (waits, such as
 torchft's heartbeats and SLURM's scheduling, are the rest).
 """
 import argparse
