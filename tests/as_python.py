@@ -21,9 +21,8 @@ import threading
 import types
 from pathlib import Path
 
-import torch
-
-PRELOAD = ["torch", "torch._dynamo", "numpy"]  # what the parent imports once (every optimizer imports torch._dynamo)
+# What the parent imports once (every optimizer imports torch._dynamo), and afresh() finds in sys.modules.
+PRELOAD = ["torch", "torch._dynamo", "numpy"]
 
 
 def ignored_signals() -> list[int]:
@@ -48,7 +47,7 @@ def afresh(ignored=None) -> None:
     sys.modules["numpy"].random.seed()  # a seed of its own, as a new interpreter draws (random reseeds at fork itself)
     ctypes.CDLL(None).prctl(15, os.path.basename(sys.executable).encode()[:15])  # PR_SET_NAME: the thread's name
     if "OMP_NUM_THREADS" in os.environ:  # a fresh import of torch reads it
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def run(argv: list[str]) -> int:

@@ -171,7 +171,8 @@ def test_the_signals_a_parent_ignores_stay_ignored_in_a_fork(blind):
     stays ignored, handled goes back to the default, then Python's own), and a fork of it after afresh() the same.
     Control: afresh() blind to what the fork inherited gives the defaults, and the two differ."""
     launcher = "\n".join([
-        "import os, signal, subprocess, sys", "sys.path.insert(0, 'tests')", "import as_python",
+        "import importlib, os, signal, subprocess, sys", "sys.path.insert(0, 'tests')", "import as_python",
+        "for module in as_python.PRELOAD: importlib.import_module(module)  # as a warm launcher has",
         "signal.signal(signal.SIGINT, print); signal.signal(signal.SIGTERM, print)  # a launcher's handlers",
         f"subprocess.run([sys.executable, '-c', {SIGNALS!r}])",
         "signal.getsignal = lambda number: signal.SIG_DFL" if blind else "",
