@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import TORCHRUN, TORCHRUN_FRESH, assert_ran, run_as_user
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.diagnose import ReplicaMismatch, check_replicas, dump_stacks_on_hang
@@ -116,9 +117,51 @@ def gallery(name, *flags, processes=2, debug=None, monitor=0.1, launcher=TORCHRU
                        f"src/ch4/debugging/{name}.py", *flags, timeout=120, env_extra=env)
 
 
-def root_cause(result) -> str:
-    """The block of torchrun's summary that names the rank that failed first."""
-    return result.stderr.split("Root Cause (first observed failure):")[1]
+def failures(stderr: str) -> tuple[dict, dict]:
+    """torchrun's summary of a failed run: the root-cause block and every block by rank, each block as its
+    time, rank, exit code and traceback."""
+    summary = stderr.split("Failures:")[-1]
+    others, cause = summary.split("Root Cause (first observed failure):")
+    def blocks(text):
+        return {int(b["rank"]): b for b in (m.groupdict() for m in re.finditer(
+            r"time\s+: (?P<time>\S+)\n.*?rank\s+: (?P<rank>\d+).*?exitcode\s+: (?P<exitcode>-?\d+)"
+            r".*?traceback : (?P<traceback>.*?)(?=\n-{20}|\n={20}|\n\[\d+\]:|\Z)", text, re.S))}
+    root, = blocks(cause).values()
+    return root, blocks(others) | {int(root["rank"]): root}
+
+
+def assert_root_cause_is(rank: int, stderr: str):
+    """torchrun names the failure with the earliest time in whole seconds, and a tie goes to the lowest
+    rank among those it found ended at one look (it adds the ranks it stops itself after those), so a
+    consequence that ends by itself in the same second as its cause is named in its place."""
+    root, every = failures(stderr)
+    cause = every[rank]
+    assert cause["exitcode"] == "1", cause
+    if int(root["rank"]) != rank:  # only a tie may put another rank first: a lower one, ended by itself
+        tie = root["time"] == cause["time"] and int(root["rank"]) < rank and root["exitcode"] != "-15"
+        assert tie, stderr[-3000:]
+    return cause
+
+
+@pytest.mark.parametrize("first, then, named_rank_1", [
+    ((1, 1, 100.2), (0, -6, 100.7), True),    # rank 1 first: named
+    ((1, 1, 100.2), (0, -15, 100.3), True),   # a tie with the rank torchrun stopped: rank 1 still named
+    ((0, -6, 100.3), (1, 1, 100.2), True),    # a tie with rank 0, ended by itself: rank 0 named, allowed
+    ((0, -6, 99.9), (1, 1, 100.2), False),    # rank 0 a second earlier: the check fails
+    ((0, -15, 100.3), (1, 1, 100.2), False),  # a stopped rank 0 named first: the check fails
+])
+def test_the_root_cause_check_allows_only_torchruns_tie(first, then, named_rank_1):
+    """The summaries are torch's own (ChildFailedError), for failures in the order torchrun finds them."""
+    found = {}
+    for rank, exitcode, seconds in (first, then):
+        found[rank] = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="")
+        found[rank].timestamp = int(seconds)
+    stderr = str(ChildFailedError("worker.py", found))
+    if named_rank_1:
+        assert_root_cause_is(1, stderr)
+    else:
+        with pytest.raises(AssertionError):
+            assert_root_cause_is(1, stderr)
 
 
 def stack_of(stderr: str, rank: int) -> str:
@@ -171,16 +214,15 @@ def test_a_rank_stuck_outside_a_collective_is_found_by_its_stacks():
 def test_a_dead_rank_is_the_root_cause_in_torchruns_summary():
     result = gallery("dead_rank", launcher=TORCHRUN_FRESH)
     assert result.returncode != 0
-    cause = root_cause(result)
-    assert "rank      : 1 (local_rank: 1)" in cause, cause
-    assert "ValueError: rank 1: batch 2 holds a non-finite input" in cause, cause  # @record's traceback
+    cause = assert_root_cause_is(1, result.stderr)
+    assert "ValueError: rank 1: batch 2 holds a non-finite input" in cause["traceback"], cause  # @record's
 
 
 def test_an_unused_parameter_is_named_with_its_rank():
     result = gallery("unused_parameter", debug="INFO", launcher=TORCHRUN_FRESH)
     assert result.returncode != 0
     assert "Parameters which did not receive grad for rank 1: aux.bias, aux.weight" in result.stderr, result.stderr[-3000:]
-    assert "rank      : 1 (local_rank: 1)" in root_cause(result)
+    assert_root_cause_is(1, result.stderr)
 
 
 def test_silently_wrong_bugs_show_in_what_the_program_prints():

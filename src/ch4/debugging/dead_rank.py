@@ -2,8 +2,9 @@
 
 Rank 1 stops; rank 0 waits in the gradient all-reduce for a partner that is gone, and its error
 ("Connection reset by peer", or the timeout) is what a reader sees first, though it is a consequence.
-torchrun's summary names the "Root Cause (first observed failure)": the rank, and with `@record`
-on main its exception and message, not only "exitcode: 1". The fix (`--fixed`): every rank checks
+torchrun's summary names the "Root Cause (first observed failure)": the earliest failure in whole
+seconds (a tie can name the consequence, so read every block), and with `@record` on main each
+rank's exception and message, not only "exitcode: 1". The fix (`--fixed`): every rank checks
 its batch, and the ranks agree (one all-reduce of a count) to skip a step where any batch is bad, so
 all of them stay in step.
 
