@@ -4,7 +4,9 @@
 
 WHAT is comma-separated:
   slow-while=FILE      every optimizer step sleeps 1 s more while FILE exists, so that the survivors are still
-                       training when a restarted group has started (its start takes seconds on a loaded CPU)
+                       training when a restarted group has started (its start takes seconds on a loaded CPU);
+                       FILE.PID exists while process PID sleeps there: between two steps, where it has no quorum
+                       request at the lighthouse (zero_grad asks for the next), so a kill there leaves none behind
   slow-heal=FILE       the heal writes FILE when it starts fetching a peer's state, then waits 3 s: long enough
                        for a test to kill the group in the middle of its heal
   late-commit=SECONDS  rank 0 of the group reaches its second step's commit SECONDS late (should_commit waits
@@ -14,6 +16,7 @@ WHAT is comma-separated:
   heal-weights-only    negative control: the heal loads the weights but not the optimizer's moments
   none                 nothing
 """
+import os
 import runpy
 import sys
 import time
@@ -24,9 +27,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
 def slow_while(path: Path) -> None:
+    resting = path.with_name(f"{path.name}.{os.getpid()}")
+
     def hook(optimizer, args, kwargs) -> None:
         if path.exists():
+            resting.touch()
             time.sleep(1.0)
+            resting.unlink()
     register_optimizer_step_post_hook(hook)
 
 
@@ -43,8 +50,6 @@ def slow_heal(path: Path) -> None:
 
 def late_commit(seconds: float) -> None:
     """Rank 0 of the group reaches its second step's commit `seconds` late: its other ranks wait for it there."""
-    import os
-
     import torchft
     commit, calls = torchft.Manager.should_commit, []
 

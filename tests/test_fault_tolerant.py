@@ -6,7 +6,9 @@ go on, one after another, with fewer groups in the quorum); a group started agai
 step is its peers' step, not 0, and there is no checkpoint to read); every group ends with the same weights, bit for
 bit, also after two kills one after the other and after a kill in the middle of a heal; a heal that copies nothing,
 or only the weights, is caught (the negative controls). tests/ft_hooks.py slows the survivors while a group starts
-again, and widens the heal, so that a kill lands where the test means it to.
+again, marks a process that rests between two steps, and widens the heal, so that a kill lands where the test means
+it to: a group killed with its quorum request at the lighthouse can be put in the next quorum (the lighthouse counts
+it healthy until its heartbeat times out), and its peers then wait --dist-timeout for it.
 """
 import contextlib
 import json
@@ -73,6 +75,10 @@ class Groups:
 
     def step(self, group: int) -> int:
         return max((line["step"] for line in self.log(group)), default=-1)
+
+    def resting(self, group: int, slow: Path) -> bool:
+        """Whether a worker of the group sleeps in slow-while's hook, between two steps (tests/ft_hooks.py)."""
+        return any(slow.with_name(f"{slow.name}.{pid}").exists() for pid in children(self.running[group].pid))
 
     def kill(self, group: int) -> None:
         """SIGKILL the agent and its worker: torchrun starts the worker in a session of its own, so killing the
@@ -146,8 +152,10 @@ def equal_weights(groups: Groups, count: int) -> bool:
 
 
 def kill_and_heal(groups: Groups, group: int, slow: Path) -> tuple[float, dict]:
-    """Kill a group, start it again while the others train slowly; return when it was killed and its heal's line."""
+    """Kill a group between two of its steps, start it again while the others train slowly; return when it was killed
+    and its heal's line."""
     slow.touch()
+    groups.wait_for(f"group {group} between two steps", lambda: groups.resting(group, slow))
     killed = time.time()
     groups.kill(group)
     groups.start(group, f"slow-while={slow}")
