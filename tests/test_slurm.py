@@ -59,36 +59,73 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def job_outputs(cluster, tiny_mnist):
-    """Start every job at once (sbatch --wait, or salloc running the job script as a user would in its
-    shell); return each job's exit code and output."""
+    """Start every job at once (sbatch, or salloc running the job script as a user would in its shell); return
+    for each job whether it succeeded, how it ended and its output. The test asks scontrol each second whether
+    a job has ended: `sbatch --wait` asks after 2, 10, 42, 74 s and so on (with SLURM's default MinJobAge), so
+    a job that ends at 43 s returns at 74 s."""
     folder, env = cluster
-    running = {}
+    running, jobs = {}, {}
     for name, (launcher, options, job_script, chapter_script, _) in JOBS.items():
-        output = folder / f"{len(running)}.out"
+        output = folder / f"{len(running) + len(jobs)}.out"
+        flags = [chapter_script, "--data-dir", str(tiny_mnist), "--dist-timeout", "120"]
         if launcher == "sbatch":
-            command = ["sbatch", "--wait", "--time=5", f"--output={output}", *options, job_script]
+            jobs[name] = (submit(["--time=5", f"--output={output}", *options, job_script, *flags], env), output)
         else:  # in the shell that salloc opens, a user runs the job script with bash
-            command = ["salloc", "--time=5", *options, "bash", job_script]
-        command += [chapter_script, "--data-dir", str(tiny_mnist), "--dist-timeout", "120"]
-        running[name] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True), output)
+            running[name] = subprocess.Popen(["salloc", "--time=5", *options, "bash", job_script, *flags], cwd=ROOT,
+                                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 420
-    results = {}
-    for name, (process, output) in running.items():
+    states = wait_until_ended([job for job, _ in jobs.values()], env, deadline)
+    results = {name: (states[job].startswith("JobState=COMPLETED"), states[job],  # COMPLETED: the script exited 0
+                      output.read_text() if output.exists() else "") for name, (job, output) in jobs.items()}
+    for name, process in running.items():
         try:
             process.wait(timeout=max(1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             subprocess.run(["scancel", "--user", getpass.getuser()], env=env)
-        text = output.read_text() if output.exists() else ""
-        results[name] = (process.returncode, process.stdout.read() + text)
+        results[name] = (process.returncode == 0, f"salloc exited {process.returncode}", process.stdout.read())
+    cancel([job for job, state in states.items() if not state.startswith(ENDED)], env)
     return results
+
+
+def submit(arguments: list, env) -> str:
+    """sbatch a job; return its id."""
+    submitted = subprocess.run(["sbatch", "--parsable", *arguments], cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=30)
+    assert submitted.returncode == 0, submitted.stderr
+    return submitted.stdout.strip().split(";")[0]
+
+
+def cancel(jobs: list[str], env) -> None:
+    """scancel the jobs that had not ended by the deadline."""
+    if jobs:
+        subprocess.run(["scancel", *jobs], env=env)
+
+
+def job_state(job, env) -> str:
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+    return " ".join(field for field in shown.split() if field.startswith(("JobState=", "Reason=", "ExitCode=")))
+
+
+ENDED = ("JobState=COMPLETED", "JobState=FAILED", "JobState=CANCELLED", "JobState=TIMEOUT", "JobState=OUT_OF_MEMORY",
+         "JobState=NODE_FAIL")
+
+
+def wait_until_ended(jobs: list[str], env, deadline: float, each_second=lambda states: None) -> dict[str, str]:
+    """Each job's state once all have ended or the deadline has passed, asking scontrol each second (a job's record
+    stays MinJobAge, 300 s by default, after it ends); each_second sees the states as they are."""
+    while True:
+        states = {job: job_state(job, env) for job in jobs}
+        if all(state.startswith(ENDED) for state in states.values()) or time.monotonic() > deadline:
+            return states
+        each_second(states)
+        time.sleep(1)
 
 
 @pytest.mark.parametrize("name", list(JOBS))
 def test_job_trains_and_evaluates_exactly(job_outputs, name):
-    returncode, output = job_outputs[name]
-    assert returncode == 0, f"{name}: exit {returncode}\n{output[-4000:]}"
+    succeeded, how, output = job_outputs[name]
+    assert succeeded, f"{name}: {how or 'no record of the job'}\n{output[-4000:]}"
     assert f"over {TEST_IMAGES} images" in output, output[-4000:]
     assert JOBS[name][4] in output and " on cpu" in output, output[-4000:]
     cpus = next(option.split("=")[1] for option in JOBS[name][1] if option.startswith("--cpus-per-task"))
@@ -113,11 +150,6 @@ INTERRUPT = {  # how each job is stopped once it has trained an epoch
 }
 
 
-def job_state(job, env) -> str:
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
-    return " ".join(field for field in shown.split() if field.startswith(("JobState=", "Reason=")))
-
-
 @pytest.fixture(scope="module")
 def requeued_jobs(cluster, tiny_mnist):
     """Three 2-node jobs of slurm/requeue.sbatch at once. Two are interrupted after their first epoch; a
@@ -127,31 +159,24 @@ def requeued_jobs(cluster, tiny_mnist):
     jobs = {}
     for name in INTERRUPT:
         checkpoints, output = folder / f"resume-{len(jobs)}", folder / f"resume-{len(jobs)}.out"
-        submitted = subprocess.run(["sbatch", "--parsable", "--time=5", f"--output={output}", "-N2", "--cpus-per-task=2",
-                                    "--export=ALL,NPROC_PER_NODE=1", "slurm/requeue.sbatch", *RESUME,
-                                    "--data-dir", str(tiny_mnist), "--checkpoint-dir", str(checkpoints)],
-                                   cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
-        assert submitted.returncode == 0, submitted.stderr
-        jobs[name] = (submitted.stdout.strip().split(";")[0], output, checkpoints)
+        job = submit(["--time=5", f"--output={output}", "-N2", "--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=1",
+                      "slurm/requeue.sbatch", *RESUME, "--data-dir", str(tiny_mnist), "--checkpoint-dir", str(checkpoints)],
+                     env)
+        jobs[name] = (job, output, checkpoints)
     interrupted, released = set(), set()
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        states = {name: job_state(job, env) for name, (job, _, _) in jobs.items()}
-        if all(state.startswith(("JobState=COMPLETED", "JobState=FAILED", "JobState=CANCELLED", "JobState=TIMEOUT"))
-               for state in states.values()):
-            break
+
+    def interrupt_and_release(states):
         for name, (job, output, _) in jobs.items():
             text = output.read_text() if output.exists() else ""
             if INTERRUPT[name] and name not in interrupted and "epoch 0:" in text:
                 subprocess.run(INTERRUPT[name](job), env=env, check=True, timeout=30)
                 interrupted.add(name)
-            if name in interrupted and name not in released and "Reason=BeginTime" in states[name]:
+            if name in interrupted and name not in released and "Reason=BeginTime" in states[job]:
                 subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True, timeout=30)
                 released.add(name)
-        time.sleep(1)
-    else:
-        subprocess.run(["scancel", *(job for job, _, _ in jobs.values())], env=env)
-    return {name: (job_state(job, env), output.read_text() if output.exists() else "", checkpoints)
+    states = wait_until_ended([job for job, _, _ in jobs.values()], env, time.monotonic() + 300, interrupt_and_release)
+    cancel([job for job, state in states.items() if not state.startswith(ENDED)], env)
+    return {name: (states[job], output.read_text() if output.exists() else "", checkpoints)
             for name, (job, output, checkpoints) in jobs.items()}
 
 
