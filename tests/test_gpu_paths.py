@@ -293,7 +293,7 @@ def test_the_gpu_tests_get_the_sessions_gpus_on_every_worker(session_gpus, skipp
     starts: they must still see the session's CUDA_VISIBLE_DEVICES, or every GPU test skips on a GPU
     machine. --setup-plan decides the skips and runs nothing. Control: a session with none skips them."""
     env = {key: value for key, value in os.environ.items() if key != "CPU_SUITE_SESSION_CUDA_VISIBLE_DEVICES"}
-    result = subprocess.run([PYTHON, "-m", "pytest", "--numprocesses=2", "-p", "no:cacheprovider", "-q", "-rs",
+    result = subprocess.run([PYTHON, "-m", "pytest", "--numprocesses=1", "-p", "no:cacheprovider", "-q", "-rs",
                              "--setup-plan", "tests/test_gpu.py"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                             env={**env, "CUDA_VISIBLE_DEVICES": session_gpus})
     assert result.returncode in (0, 5), result.stdout[-2000:] + result.stderr[-2000:]  # 5: no test ran
