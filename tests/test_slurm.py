@@ -111,11 +111,14 @@ ENDED = ("JobState=COMPLETED", "JobState=FAILED", "JobState=CANCELLED", "JobStat
          "JobState=NODE_FAIL")
 
 
-def wait_until_ended(jobs: list[str], env, deadline: float, each_second=lambda states: None) -> dict[str, str]:
-    """Each job's state once all have ended or the deadline has passed, asking scontrol each second (a job's record
-    stays MinJobAge, 300 s by default, after it ends); each_second sees the states as they are."""
+def wait_until_ended(jobs: list[str], env, deadline: float, each_second=lambda states: None,
+                     requeued=False) -> dict[str, str]:
+    """Each job's state once all have ended or the deadline has passed, asking scontrol each second; each_second sees
+    the states as they are. A job is asked about until it has ended (SLURM drops a job's record MinJobAge, 300 s by
+    default, after its end), or, where jobs are requeued, until all have."""
+    states = dict.fromkeys(jobs, "")
     while True:
-        states = {job: job_state(job, env) for job in jobs}
+        states |= {job: job_state(job, env) for job, state in states.items() if requeued or not state.startswith(ENDED)}
         if all(state.startswith(ENDED) for state in states.values()) or time.monotonic() > deadline:
             return states
         each_second(states)
@@ -174,7 +177,8 @@ def requeued_jobs(cluster, tiny_mnist):
             if name in interrupted and name not in released and "Reason=BeginTime" in states[job]:
                 subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True, timeout=30)
                 released.add(name)
-    states = wait_until_ended([job for job, _, _ in jobs.values()], env, time.monotonic() + 300, interrupt_and_release)
+    states = wait_until_ended([job for job, _, _ in jobs.values()], env, time.monotonic() + 300, interrupt_and_release,
+                              requeued=True)
     cancel([job for job, state in states.items() if not state.startswith(ENDED)], env)
     return {name: (states[job], output.read_text() if output.exists() else "", checkpoints)
             for name, (job, output, checkpoints) in jobs.items()}
