@@ -65,8 +65,8 @@ def job_outputs(cluster, tiny_mnist):
     a job that ended at 43 s came back at 74 s."""
     folder, env = cluster
     running, jobs = {}, {}
-    for name, (launcher, options, job_script, chapter_script, _) in JOBS.items():
-        output = folder / f"{len(running) + len(jobs)}.out"
+    for index, (name, (launcher, options, job_script, chapter_script, _)) in enumerate(JOBS.items()):
+        output = folder / f"{index}.out"
         flags = [chapter_script, "--data-dir", str(tiny_mnist), "--dist-timeout", "120"]
         if launcher == "sbatch":
             jobs[name] = (submit(["--time=5", f"--output={output}", *options, job_script, *flags], env), output)
@@ -84,7 +84,6 @@ def job_outputs(cluster, tiny_mnist):
             process.kill()
             subprocess.run(["scancel", "--user", getpass.getuser()], env=env)
         results[name] = (process.returncode == 0, f"salloc exited {process.returncode}", process.stdout.read())
-    cancel([job for job, state in states.items() if not state.startswith(ENDED)], env)
     return results
 
 
@@ -94,12 +93,6 @@ def submit(arguments: list, env) -> str:
                                timeout=30)
     assert submitted.returncode == 0, submitted.stderr
     return submitted.stdout.strip().split(";")[0]
-
-
-def cancel(jobs: list[str], env) -> None:
-    """scancel the jobs that had not ended by the deadline."""
-    if jobs:
-        subprocess.run(["scancel", *jobs], env=env)
 
 
 def job_state(job, env) -> str:
@@ -113,13 +106,16 @@ ENDED = ("JobState=COMPLETED", "JobState=FAILED", "JobState=CANCELLED", "JobStat
 
 def wait_until_ended(jobs: list[str], env, deadline: float, each_second=lambda states: None,
                      requeued=False) -> dict[str, str]:
-    """Each job's state once all have ended or the deadline has passed, asking scontrol each second; each_second sees
-    the states as they are. A job is asked about until it has ended (SLURM drops a job's record MinJobAge, 300 s by
-    default, after its end), or, where jobs are requeued, until all have."""
+    """Each job's state once all have ended or the deadline has passed (then the jobs left are cancelled), asking
+    scontrol each second; each_second sees the states as they are. A job is asked about until it has ended (SLURM
+    drops a job's record MinJobAge, 300 s by default, after its end), or, where jobs are requeued, until all have."""
     states = dict.fromkeys(jobs, "")
     while True:
         states |= {job: job_state(job, env) for job, state in states.items() if requeued or not state.startswith(ENDED)}
-        if all(state.startswith(ENDED) for state in states.values()) or time.monotonic() > deadline:
+        left = [job for job, state in states.items() if not state.startswith(ENDED)]
+        if not left or time.monotonic() > deadline:
+            if left:
+                subprocess.run(["scancel", *left], env=env)
             return states
         each_second(states)
         time.sleep(1)
@@ -179,7 +175,6 @@ def requeued_jobs(cluster, tiny_mnist):
                 released.add(name)
     states = wait_until_ended([job for job, _, _ in jobs.values()], env, time.monotonic() + 300, interrupt_and_release,
                               requeued=True)
-    cancel([job for job, state in states.items() if not state.startswith(ENDED)], env)
     return {name: (states[job], output.read_text() if output.exists() else "", checkpoints)
             for name, (job, output, checkpoints) in jobs.items()}
 

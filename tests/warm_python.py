@@ -147,8 +147,7 @@ def start(args: list, cwd, env: dict, stdout, stderr) -> Process:
     except OSError as refused:
         connection.close()
         raise RuntimeError(f"tests/warm_python.py's server is gone ({refused}):\n{_read(server['log'])}") from None
-    request = {"argv": [str(a) for a in args], "cwd": str(cwd), "env": env,
-               "ignored": ignored_signals()}
+    request = {"argv": [str(a) for a in args], "cwd": str(cwd), "env": env, "ignored": ignored_signals()}
     socket.send_fds(connection, [json.dumps(request).encode()], [stdout.fileno(), stderr.fileno()])
     connection.shutdown(socket.SHUT_WR)  # the request's end
     process = Process(args, connection, server["log"])
