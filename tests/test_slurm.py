@@ -61,8 +61,8 @@ def cluster(tmp_path_factory):
 def job_outputs(cluster, tiny_mnist):
     """Start every job at once (sbatch, or salloc running the job script as a user would in its shell); return
     for each job whether it succeeded, how it ended and its output. The test asks scontrol each second whether
-    a job has ended: `sbatch --wait` asked after 2, 10, 42, 74 and 106 s (measured on this cluster), so
-    a job that ended at 43 s came back at 74 s."""
+    a job has ended: `sbatch --wait` asked after 2, 10, 42 and 74 s (measured on this cluster), so a job
+    that ended at 43 s came back at 74 s."""
     folder, env = cluster
     running, jobs = {}, {}
     for index, (name, (launcher, options, job_script, chapter_script, _)) in enumerate(JOBS.items()):
