@@ -1,11 +1,11 @@
 """`python SCRIPT ARGS` for the suite, forked from a process that has imported torch once.
 
 start() hands the command to a server that forks a process for it and returns it as subprocess.Popen shows
-one (pid, wait(), returncode); run() starts one and waits, as subprocess.run does. The fork takes the
+one (pid, poll(), wait(), returncode); run() starts one and waits, as subprocess.run does. The fork takes the
 command's folder and output files, is made what a new interpreter would be (tests/as_python.py), with the
 signals the caller ignores now still ignored (those of the server's own start may have changed since), runs
 the script, and exits with its code. The server reports the process's number, then its end, and forks the
-next command at once, so processes may run side by side (a test's runs in threads of its own).
+next command at once, so processes may run side by side (a test's replica groups).
 
 A server is a fresh interpreter started in the command's environment: a new interpreter reads some variables
 as it starts and imports torch (PYTHONPATH, CUDA_VISIBLE_DEVICES, ...), so each environment (but for the name
@@ -95,6 +95,8 @@ def _fork(connection: socket.socket, waiting: selectors.BaseSelector) -> int:
     for fd in set(fds):
         os.close(fd)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    if request["new_session"]:
+        os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -103,7 +105,7 @@ def _fork(connection: socket.socket, waiting: selectors.BaseSelector) -> int:
 
 
 class Process:
-    """A process a server forked, as subprocess.Popen shows one: its pid, wait() and returncode."""
+    """A process a server forked, as subprocess.Popen shows one: its pid, poll(), wait() and returncode."""
 
     def __init__(self, args: list, connection: socket.socket, log):
         self.args, self.returncode = args, None
@@ -136,10 +138,16 @@ class Process:
             self._connection.close()
         return self.returncode
 
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
 
-def start(args: list, cwd, env: dict, stdout, stderr) -> Process:
+
+def start(args: list, cwd, env: dict, stdout, stderr, new_session: bool = False) -> Process:
     """Start `python SCRIPT ARGS` (args without the python) in environment env, its output into the files
-    stdout and stderr (either may be the other)."""
+    stdout and stderr (either may be the other), in a session of its own if new_session."""
     server = _server_for(env)
     connection = socket.socket(socket.AF_UNIX)
     try:
@@ -147,7 +155,8 @@ def start(args: list, cwd, env: dict, stdout, stderr) -> Process:
     except OSError as refused:
         connection.close()
         raise RuntimeError(f"tests/warm_python.py's server is gone ({refused}):\n{_read(server['log'])}") from None
-    request = {"argv": [str(a) for a in args], "cwd": str(cwd), "env": env, "ignored": ignored_signals()}
+    request = {"argv": [str(a) for a in args], "cwd": str(cwd), "env": env, "new_session": new_session,
+               "ignored": ignored_signals()}
     socket.send_fds(connection, [json.dumps(request).encode()], [stdout.fileno(), stderr.fileno()])
     connection.shutdown(socket.SHUT_WR)  # the request's end
     process = Process(args, connection, server["log"])
