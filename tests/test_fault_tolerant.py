@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from conftest import PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran, offline_env, run_as_user
 
 os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse logs every quorum at INFO
@@ -63,8 +64,8 @@ class Groups:
                    "--step-log", self.log_path(group, run), "--summary", self.folder / f"summary{group}.json",
                    "--save", self.folder / f"weights{group}.pt", *flags]
         out = (self.folder / f"out{group}-{run}.txt").open("w")
-        self.running[group] = subprocess.Popen([str(part) for part in command], cwd=ROOT, env=offline_env(LOCAL),
-                                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        # as subprocess.Popen(command, ..., start_new_session=True) would, forked (tests/warm_python.py)
+        self.running[group] = warm_python.start(command[1:], ROOT, offline_env(LOCAL), out, out, new_session=True)
 
     def log_path(self, group: int, run: int) -> Path:
         return self.folder / f"log{group}-{run}.jsonl"
