@@ -25,8 +25,10 @@ def note(forked=False):
     usage = resource.getrusage(resource.RUSAGE_SELF)
     record = {"argv": sys.argv[:4], "cpu": usage.ru_utime + usage.ru_stime, "forked": forked,
               "test": os.environ.get("PYTEST_CURRENT_TEST", "")}
-    with open(os.path.join(FOLDER, f"{os.getpid()}-{time.monotonic_ns()}.json"), "w") as file:
+    path = os.path.join(FOLDER, f"{os.getpid()}-{time.monotonic_ns()}.json")
+    with open(path + ".part", "w") as file:  # renamed once whole: a process killed as it writes leaves no half note
         json.dump(record, file)
+    os.replace(path + ".part", path)
 
 
 def note_from_a_forked_child(_):
