@@ -1,4 +1,4 @@
-"""The real slurm/ job scripts, submitted with sbatch --wait to a two-node SLURM cluster on localhost.
+"""The real slurm/ job scripts, submitted with sbatch (and one run in salloc) to a two-node SLURM cluster on localhost.
 
 tests/slurm/local_cluster.sh installs SLURM if missing and starts munge, slurmctld and two slurmd
 daemons (nodes n1 and n2). Where that is impossible (no root, no packages) the tests are skipped
@@ -7,6 +7,7 @@ interactive recipe) start at once and run side by side, each with a time limit.
 """
 import getpass
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -37,7 +38,10 @@ JOBS = {
                                     "slurm/srun_tasks.sbatch", "src/ch4/mnist_5_lightning.py", "2 processes"),
     "lightning, 1 node x 2 tasks": ("sbatch", ["-N1", "--ntasks-per-node=2", "--cpus-per-task=1"],
                                     "slurm/srun_tasks.sbatch", "src/ch4/mnist_5_lightning.py", "2 processes"),
-    "torchft, 2 replica groups on 2 nodes": ("sbatch", ["-N2", "--ntasks-per-node=1", "--cpus-per-task=2"],
+    # MASTER_PORT: a port the test holds, so that the lighthouse's first start fails as when another process takes
+    # the free port first, and the job script starts it again on another
+    "torchft, 2 replica groups on 2 nodes": ("sbatch", ["-N2", "--ntasks-per-node=1", "--cpus-per-task=2",
+                                                        "--export=ALL,MASTER_PORT={taken}"],
                                              "slurm/fault_tolerant.sbatch", "src/ch4/fault_tolerant/mnist_3_ddp_ft.py",
                                              "group 1 of 2"),
     "salloc, 2 nodes x 1 process": ("salloc", ["-N2", "--ntasks-per-node=1", "--cpus-per-task=2"],
@@ -65,8 +69,11 @@ def job_outputs(cluster, tiny_mnist):
     that ended at 43 s came back at 74 s."""
     folder, env = cluster
     running, jobs = {}, {}
+    taken = socket.socket()  # bound, not listening: a bind fails on its port, a connection is refused
+    taken.bind(("0.0.0.0", 0))
     for index, (name, (launcher, options, job_script, chapter_script, _)) in enumerate(JOBS.items()):
         output = folder / f"{index}.out"
+        options = [option.format(taken=taken.getsockname()[1]) for option in options]
         flags = [chapter_script, "--data-dir", str(tiny_mnist), "--dist-timeout", "120"]
         if launcher == "sbatch":
             jobs[name] = (submit(["--time=5", f"--output={output}", *options, job_script, *flags], env), output)
@@ -75,6 +82,7 @@ def job_outputs(cluster, tiny_mnist):
                                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 420
     states = wait_until_ended([job for job, _ in jobs.values()], env, deadline)
+    taken.close()
     results = {name: (states[job].startswith("JobState=COMPLETED"), states[job],  # COMPLETED: the script exited 0
                       output.read_text() if output.exists() else "") for name, (job, output) in jobs.items()}
     for name, process in running.items():
@@ -129,6 +137,8 @@ def test_job_trains_and_evaluates_exactly(job_outputs, name):
     assert JOBS[name][4] in output and " on cpu" in output, output[-4000:]
     cpus = next(option.split("=")[1] for option in JOBS[name][1] if option.startswith("--cpus-per-task"))
     assert f"{cpus} CPU(s) per" in output, output[-4000:]  # the job asked for them and passed them to srun
+    if name.startswith("torchft"):  # its lighthouse failed on the port the test holds, and started on another
+        assert "Address already in use" in output and "lighthouse at http://n1:" in output, output[-4000:]
 
 
 def test_job_script_outside_an_allocation_says_how_to_submit():
