@@ -35,7 +35,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-from common.machine import machine_name  # noqa: E402  (after the path above)
+from common.distributed import free_port  # noqa: E402  (after the path above)
+from common.machine import machine_name  # noqa: E402
 from common.memory import optimizer_tensors, storage_bytes  # noqa: E402
 from common.precision import FP16_DEVICES, auto_precision, autocast, grad_scaler, optimizer_step  # noqa: E402
 from planner.plan import GB, GPU, GPUS, NETWORKS, model_of_config, plan, step_flops  # noqa: E402
@@ -91,12 +91,6 @@ def run_env(environ, cache: str) -> dict[str, str]:
     repository on PYTHONPATH, so that the scripts import common where the project is not installed."""
     path = os.pathsep.join(p for p in (str(ROOT), environ.get("PYTHONPATH", "")) if p)
     return {**environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": path}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mnist_runs(data_dir: str, device: torch.device, has_bf16: bool | None = None) -> dict[tuple[str, str], tuple[list[str], str]]:
