@@ -9,7 +9,8 @@ PYTHON=${PYTHON:-python}
 # The first node hosts the rendezvous; its name must resolve on every node of the job.
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # The batch script runs on the first node, so a port free here is free where the rendezvous listens.
-free_port() { "$PYTHON" -c 'from common.distributed import free_port; print(free_port())'; }
+# common.distributed.free_port's three lines: importing common would import torch, seconds for one number.
+free_port() { "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
 MASTER_PORT=${MASTER_PORT:-$(free_port)}
 # CPUs: since Slurm 22.05 srun no longer inherits the job's --cpus-per-task, so the job scripts pass
 # it on explicitly; without it each srun task gets one core, and N GPU workers share it.
