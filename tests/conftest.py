@@ -1,3 +1,4 @@
+import gc
 import os
 import subprocess
 import sys
@@ -48,6 +49,15 @@ def pytest_xdist_auto_num_workers(config):
 def pytest_collection_modifyitems(items):
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """What a worker holds once it has collected the suite (the libraries, every test) it holds to its end: frozen
+    out of the garbage collector's scans, so that a collection during a test (planner.simulate asks for one each
+    simulation) scans what the test made, as it would in a process of its own, not millions of the worker's objects."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
