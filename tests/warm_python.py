@@ -34,7 +34,7 @@ import weakref
 from as_python import PRELOAD, afresh, ignored_signals
 from as_python import run as run_script
 
-SERVERS = 4
+SERVERS = 6  # a worker meets 7 to 9 environments a suite: with 4, servers it went on using were ended and started again (4 a suite)
 _servers = {}  # the started servers by environment, the one used last at the end
 _lock = threading.Lock()
 
