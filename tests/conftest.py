@@ -55,7 +55,7 @@ def pytest_collection_modifyitems(items):
 def pytest_collection_finish(session):
     """What a worker holds once it has collected the suite (the libraries, every test) it holds to its end: frozen
     out of the garbage collector's scans, so that a collection during a test (planner.simulate asks for one each
-    simulation) scans what the test made, as it would in a process of its own, not millions of the worker's objects."""
+    simulation) scans what the test made, as it would in a process of its own, not the worker's half a million."""
     gc.collect()
     gc.freeze()
 
