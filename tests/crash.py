@@ -71,7 +71,12 @@ def after_step(step: int, action) -> None:
 def threads_at_exit() -> None:
     """Registered before the script runs, so that it runs after the script's own exit functions."""
     def show() -> None:
-        names = [(task / "comm").read_text().strip() for task in sorted(Path("/proc/self/task").iterdir())]
+        names = []
+        for task in sorted(Path("/proc/self/task").iterdir()):
+            try:
+                names.append((task / "comm").read_text().strip())
+            except FileNotFoundError:  # a thread that ended since the folder was listed: not running at exit
+                pass
         # one write: print() writes the line and its newline apart, and unbuffered (PYTHONUNBUFFERED) the other
         # rank's line can land between the two, two lines in one
         sys.stdout.flush()

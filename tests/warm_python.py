@@ -15,6 +15,7 @@ the SERVERS it used last (each holds an imported torch), and ends them with it.
 """
 import atexit
 import ctypes
+import gc
 import importlib
 import json
 import locale
@@ -44,6 +45,8 @@ def _serve(path: str) -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: end with the pytest worker that started it
     for module in PRELOAD:
         importlib.import_module(module)
+    gc.collect()  # what the imports made, out of the collector's scans in every fork: see PRELOAD's note
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path)
     listener.listen()
