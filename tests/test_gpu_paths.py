@@ -433,13 +433,15 @@ def test_gpu_check_cpu_runs_the_bf16_rows_in_the_cpus_auto_precision():
     assert gpu_check.precision_cell("bf16", "fp32") == "bf16, ran in fp32 (the CPU has no bf16 units)"
 
 
-def test_gpu_check_cpu_catches_measure_called_without_its_env(tmp_path):
+def test_gpu_check_cpu_catches_measure_called_without_its_env(tmp_path, monkeypatch):
     """The negative control: gpu_check.py as it was (measure(command), no env) makes every MNIST row fail with
     the TypeError, written as a failed row; the page check of the test above rejects that page, and main exits
-    non-zero. Nothing is started: the call fails before any process."""
+    non-zero. Nothing is started: the MNIST calls fail before any process, and the loader's row, which the bug
+    does not touch (the test above runs it), is left empty here."""
     from mnist_files import write_tiny_mnist
     data = write_tiny_mnist(tmp_path, train_size=64, test_size=16)
     planted = load_gpu_check("gpu_check_planted", ("measure(command, env)", "measure(command)"))
+    monkeypatch.setattr(planted, "loader_rows", lambda data_dir, toy=False: {"lines": []})
     page = tmp_path / "gpu_results.md"
     with pytest.raises(SystemExit) as stopped:
         planted.main(["--cpu", "--data-dir", str(data), "--output", str(page)])

@@ -36,6 +36,18 @@ def launch(launcher, folder, end="return", processes=2):
     return (result, *facts_of(folder, processes))
 
 
+@pytest.fixture(scope="module")
+def torchrun_itself(tmp_path_factory):
+    """launch(TORCHRUN_FRESH, ...), each way of ending and process count run once: several tests compare with it."""
+    runs = {}
+
+    def launched(end="return", processes=2):
+        if (end, processes) not in runs:
+            runs[end, processes] = launch(TORCHRUN_FRESH, tmp_path_factory.mktemp("fresh") / "run", end, processes)
+        return runs[end, processes]
+    return launched
+
+
 def alike(facts):
     """What must match: each rank's facts, the random draws replaced by whether they differ between ranks."""
     draws = {rank["numpy draw"] for rank in facts}
@@ -44,8 +56,8 @@ def alike(facts):
 
 
 @pytest.mark.parametrize("processes", [2, 3])
-def test_a_forked_worker_starts_as_torchrun_starts_one(tmp_path, processes):
-    _, fresh, fresh_exits = launch(TORCHRUN_FRESH, tmp_path / "fresh", processes=processes)
+def test_a_forked_worker_starts_as_torchrun_starts_one(tmp_path, torchrun_itself, processes):
+    _, fresh, fresh_exits = torchrun_itself(processes=processes)
     _, warm, warm_exits = launch(TORCHRUN, tmp_path / "warm", processes=processes)
     assert alike(warm) == alike(fresh)
     assert warm_exits == fresh_exits == [True] * processes
@@ -66,10 +78,10 @@ def test_a_forked_worker_starts_as_accelerate_launch_starts_one(tmp_path, proces
     assert len({rank["hash"] for rank in fresh}) == processes and len({rank["hash"] for rank in warm}) == 1
 
 
-def test_torchs_own_fork_would_not(tmp_path):
+def test_torchs_own_fork_would_not(tmp_path, torchrun_itself):
     """The negative control: torchrun's --run-path --start-method fork without fresh_process.py leaves each worker in
     the launcher's session, with its signal handlers, thread name and numpy random state."""
-    _, fresh, _ = launch(TORCHRUN_FRESH, tmp_path / "fresh")
+    _, fresh, _ = torchrun_itself()
     _, forked, _ = launch(TORCHS_OWN_FORK, tmp_path / "forked")
     assert fresh[0]["handlers"]["SIGTERM"] == "default"
     assert forked[0]["handlers"]["SIGTERM"] == "_terminate_process_handler"
@@ -77,17 +89,17 @@ def test_torchs_own_fork_would_not(tmp_path):
     assert alike(forked) != alike(fresh)
 
 
-def test_a_worker_that_ends_its_process_itself_ends_the_run(tmp_path):
+def test_a_worker_that_ends_its_process_itself_ends_the_run(tmp_path, torchrun_itself):
     """common.distributed.exit_process ends each rank's process without returning from the script, after
     the exit functions: torchrun's fork path alone would wait for such a worker forever."""
-    fresh, _, fresh_exits = launch(TORCHRUN_FRESH, tmp_path / "fresh", "exit_process")
+    fresh, _, fresh_exits = torchrun_itself("exit_process")
     warm, _, warm_exits = launch(TORCHRUN, tmp_path / "warm", "exit_process")
     assert fresh.returncode == warm.returncode == 0, warm.stderr[-2000:]
     assert warm_exits == fresh_exits == [True, True]
 
 
-def test_a_sentence_to_sys_exit_is_printed_and_fails_the_run(tmp_path):
-    fresh, _, _ = launch(TORCHRUN_FRESH, tmp_path / "fresh", "message")
+def test_a_sentence_to_sys_exit_is_printed_and_fails_the_run(tmp_path, torchrun_itself):
+    fresh, _, _ = torchrun_itself("message")
     warm, _, _ = launch(TORCHRUN, tmp_path / "warm", "message")
     assert fresh.returncode == warm.returncode == 1
     assert "stops with a sentence" in fresh.stderr and "stops with a sentence" in warm.stderr, warm.stderr[-2000:]
