@@ -31,7 +31,8 @@ TEST_IMAGES = 101  # divides by neither 2 nor 3 processes
 # a file's module fixtures, such as the SLURM cluster, are made once), handed out in collection order.
 # The files that take longest (measured on a 2-core CPU) go first, so that no worker is left running one of
 # them alone at the end; the first two side by side, the fault-tolerant tests (mostly waiting on their groups'
-# timeouts) beside the DeepSpeed rungs (busy: DeepSpeed compiles its extension), not beside other waits.
+# timeouts) beside the DeepSpeed rungs (busy, and on a fresh machine compiling DeepSpeed's extension), not beside
+# other waits.
 LONGEST_FIRST = ["test_deepspeed_rungs.py", "test_fault_tolerant.py", "test_resume.py", "test_slurm.py", "test_gpu_paths.py",
                  "test_warm_launch.py", "test_benchmarks.py", "test_compile.py", "test_notebooks.py", "test_lessons.py",
                  "test_simulate.py", "test_debugging.py", "test_figures.py", "test_deepspeed.py", "test_data_pipeline.py",
