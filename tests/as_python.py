@@ -1,15 +1,15 @@
 """Make a forked process what `python script.py` would have started, and run the script in it as python does.
 
-tests/warm_torchrun.py's workers and tests/warm_python.py's processes are forks of a process that has
-imported torch once; a fresh interpreter would import it again, about 3 CPU seconds on a 2-core CPU, where a
-tiny test run trains in one. A fork keeps what its parent had: the parent's signal handlers (torchrun's turn
-SIGTERM into an exception), its numpy random state, its thread's name, its thread count (read when it
-imported torch, before torchrun set OMP_NUM_THREADS). afresh() gives each back as a new interpreter has it.
-The exit functions the parent's imports of torch and torch._dynamo registered stay: a fresh interpreter's
-are the same after the same imports. One thing no fork can give back: each interpreter draws its own hash
-seed, and forks share their parent's (tests/test_warm_launch.py shows both).
+tests/warm_python.py's processes (and through tests/warm_worker.py, the workers of the suite's warm launchers) are
+forks of a process that has imported torch once; a fresh interpreter would import it again, about 3 CPU seconds
+on a 2-core CPU, where a tiny test run trains in one. A fork keeps what its parent had: the parent's signal
+handlers, its numpy random state, its thread's name, its thread count (read when it imported torch, before a
+launcher set OMP_NUM_THREADS). afresh() gives each back as a new interpreter has it. The exit functions the
+parent's imports registered stay: a fresh interpreter's are the same after the same imports. The fork ends as
+python ends, through the interpreter's own exit: run() leaves it nothing else to do. One thing no fork can give
+back: each interpreter draws its own hash seed, and forks share their parent's (tests/test_warm_launch.py shows
+both).
 """
-import atexit
 import builtins
 import ctypes
 import importlib.machinery
@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import signal
 import sys
-import threading
 import types
 from pathlib import Path
 
@@ -56,13 +55,14 @@ def afresh(ignored=None) -> None:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-def run(argv: list[str]) -> int:
-    """Run argv[0] as `python argv...` runs it, and end as python ends: the exit code it would return.
+def run(argv: list[str]) -> None:
+    """Run argv[0] as `python argv...` runs it, and leave its end to the interpreter that runs this.
 
     The script runs in a module __main__ whose __file__ is its absolute path, with sys.argv as given and the
-    script's folder first on sys.path (runpy would set __file__ and sys.argv[0] to one path). At its end the
-    threads are shut down (executors told to stop, the others joined), then the exit functions run, as the
-    interpreter does them."""
+    script's folder first on sys.path (runpy would set __file__ and sys.argv[0] to one path). Its end is python's:
+    an uncaught exception is printed and becomes exit code 1, and SystemExit and KeyboardInterrupt go on up, so
+    that the fork ends through the interpreter's own exit (threads joined, exit functions, finalization, the C
+    library's exit handlers), as `python SCRIPT` would, never through os._exit."""
     script = os.path.abspath(argv[0])
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(script)
@@ -70,25 +70,11 @@ def run(argv: list[str]) -> int:
     main.__file__, main.__builtins__ = script, builtins
     main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
     sys.modules["__main__"] = main
-    code = 0
     try:
         exec(compile(Path(script).read_bytes(), script, "exec"), main.__dict__)
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            code = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
-            code = 1
-    except KeyboardInterrupt:
-        code = -signal.SIGINT
+    except (SystemExit, KeyboardInterrupt):
+        raise
     except BaseException:
         sys.excepthook(*sys.exc_info())
-        code = 1
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code == -signal.SIGINT:  # python ends by the signal itself
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    return code
+        raise SystemExit(1) from None
+    raise SystemExit(0)

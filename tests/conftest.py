@@ -33,7 +33,7 @@ TEST_IMAGES = 101  # divides by neither 2 nor 3 processes
 # them alone at the end; the first two side by side, the fault-tolerant tests (mostly waiting on their groups'
 # timeouts) beside the DeepSpeed rungs (busy, and on a fresh machine compiling DeepSpeed's extension), not beside
 # other waits.
-LONGEST_FIRST = ["test_deepspeed_rungs.py", "test_fault_tolerant.py", "test_resume.py", "test_slurm.py", "test_gpu_paths.py",
+LONGEST_FIRST = ["test_as_users_run.py", "test_deepspeed_rungs.py", "test_fault_tolerant.py", "test_resume.py", "test_slurm.py", "test_gpu_paths.py",
                  "test_warm_launch.py", "test_benchmarks.py", "test_compile.py", "test_notebooks.py", "test_lessons.py",
                  "test_simulate.py", "test_debugging.py", "test_figures.py", "test_deepspeed.py", "test_data_pipeline.py",
                  "test_nli_scripts.py", "test_plan.py", "test_nli_trainer.py", "test_hsdp.py", "test_mnist_scripts.py",
@@ -78,7 +78,8 @@ def offline_env(extra=None) -> dict:
 
 def run_as_user(*args, cwd=ROOT, timeout=180, env_extra=None):
     """Run a command as a user would, from the repository root, offline, with a time limit. `python SCRIPT`
-    runs forked from a process that has imported torch in the same environment (tests/warm_python.py)."""
+    runs forked from a process that has imported torch in the same environment (tests/warm_python.py), and ends
+    as python ends; tests/test_as_users_run.py launches every chapter script afresh."""
     env = offline_env(env_extra)
     try:
         if args[0] == PYTHON and str(args[1]).endswith(".py"):
@@ -95,10 +96,10 @@ def run_command():
 
 
 PYTHON = sys.executable
-# torchrun itself, and torchrun with each worker forked from its launcher (tests/warm_torchrun.py): the
-# suite's runs, started about 3 CPU seconds a worker sooner. The runs that prove what holds between fresh
-# interpreters (equal weights across ranks, the interpreter's teardown) or read torchrun's own summary use
-# torchrun itself.
+# torchrun itself, and torchrun whose workers are forks of the warm server that forked it (tests/warm_torchrun.py):
+# the suite's runs, each worker started about 3 CPU seconds sooner, ended as a fresh one ends. The runs that prove
+# what holds between fresh interpreters (equal weights across ranks, which each draw their own hash seed) or read
+# torchrun's summary of a failed script by its name use torchrun itself.
 TORCHRUN_FRESH = [PYTHON, "-m", "torch.distributed.run", "--standalone"]
 TORCHRUN = [PYTHON, str(ROOT / "tests" / "warm_torchrun.py"), "--standalone"]
 # accelerate launch listens on port 29500 unless told otherwise, and two pytest-xdist workers launching at

@@ -1,10 +1,13 @@
-"""The suite's launches forked from a process that imported torch once start their processes as fresh
+"""The suite's launches forked from a process that imported torch once start and end their processes as fresh
 interpreters do: tests/warm_torchrun.py (the suite's TORCHRUN) each worker as torchrun itself starts it,
 tests/warm_accelerate.py (ACCELERATE) each as accelerate launch does,
 tests/warm_python.py (run_as_user's `python SCRIPT`) each process as python does. The same process facts,
-the same endings. One thing a fork cannot give: each interpreter draws its own hash seed, and forks share
-their parent's; the runs that prove equality across ranks use torchrun itself (TORCHRUN_FRESH)."""
+the same endings, a fault at the interpreter's teardown included. One thing a fork cannot give: each interpreter
+draws its own hash seed, and forks share their parent's; the runs that prove equality across ranks use torchrun
+itself (TORCHRUN_FRESH)."""
 import json
+import multiprocessing
+import runpy
 import signal
 import subprocess
 import textwrap
@@ -79,8 +82,9 @@ def test_a_forked_worker_starts_as_accelerate_launch_starts_one(tmp_path, proces
 
 
 def test_torchs_own_fork_would_not(tmp_path, torchrun_itself):
-    """The negative control: torchrun's --run-path --start-method fork without fresh_process.py leaves each worker in
-    the launcher's session, with its signal handlers, thread name and numpy random state."""
+    """The negative control: torchrun's own fork (--run-path --start-method fork), without tests/as_python.py's
+    afresh(), leaves each worker in the launcher's session, with its signal handlers, thread name and numpy random
+    state."""
     _, fresh, _ = torchrun_itself()
     _, forked, _ = launch(TORCHS_OWN_FORK, tmp_path / "forked")
     assert fresh[0]["handlers"]["SIGTERM"] == "default"
@@ -103,6 +107,77 @@ def test_a_sentence_to_sys_exit_is_printed_and_fails_the_run(tmp_path, torchrun_
     warm, _, _ = launch(TORCHRUN, tmp_path / "warm", "message")
     assert fresh.returncode == warm.returncode == 1
     assert "stops with a sentence" in fresh.stderr and "stops with a sentence" in warm.stderr, warm.stderr[-2000:]
+
+
+# ---- a fault at teardown: what the interpreter does after the script's last line ----
+
+TEARDOWN_FAULTS = {  # each after a script's last line, as gloo's threads abort or hang a process that has finished
+    "an exit function aborts": "import atexit, os\natexit.register(os.abort)\n",
+    "the C library's exit handler aborts": "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.on_exit(libc.abort, None)\n",
+    "a thread never ends": "import threading\nthreading.Thread(target=threading.Event().wait).start()\n",
+}
+HUNG = "still running"
+
+
+def ending(run, *args, timeout=8):
+    """How a run ended: its exit code, or HUNG past its time limit."""
+    try:
+        return run(*args, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return HUNG
+
+
+def faulty(tmp_path, fault):
+    script = tmp_path / "faulty.py"
+    script.write_text("print('the last line', flush=True)\n" + TEARDOWN_FAULTS[fault])
+    return script
+
+
+def fresh_python(script, timeout):
+    return subprocess.run([PYTHON, script], cwd=ROOT, env=offline_env(), capture_output=True, timeout=timeout)
+
+
+def in_multiprocessing_fork(script, timeout):
+    """The script in a child of multiprocessing's fork start method, which ends with os._exit: the way the suite
+    must not fork."""
+    child = multiprocessing.get_context("fork").Process(target=runpy.run_path, args=(str(script),), kwargs={"run_name": "__main__"})
+    child.start()
+    child.join(timeout)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+        raise subprocess.TimeoutExpired(str(script), timeout)
+    return subprocess.CompletedProcess(str(script), child.exitcode)
+
+
+@pytest.mark.parametrize("fault", TEARDOWN_FAULTS)
+def test_a_fault_at_teardown_ends_a_forked_python_as_it_ends_python(tmp_path, fault):
+    """A fork of the warm server ends through the interpreter's own exit: a script that fails only after its last
+    line fails forked as it fails fresh, with the same exit code (SIGABRT) or the same hang."""
+    script = faulty(tmp_path, fault)
+    fresh = ending(fresh_python, script)
+    assert fresh in (-signal.SIGABRT, HUNG)
+    assert ending(lambda *a, timeout: warm_python.run(a, ROOT, offline_env(), timeout), script) == fresh
+
+
+@pytest.mark.parametrize("fault", [fault for fault in TEARDOWN_FAULTS if "aborts" in fault])
+def test_a_fork_that_ends_with_os_exit_would_pass_a_faulty_script(tmp_path, fault):
+    """The negative control: the same script in multiprocessing's fork, which ends its child with os._exit, exits 0:
+    the interpreter's teardown, where the fault is, never runs."""
+    script = faulty(tmp_path, fault)
+    assert ending(fresh_python, script) == -signal.SIGABRT
+    assert ending(in_multiprocessing_fork, script) == 0
+
+
+def test_a_fault_at_teardown_fails_a_warm_torchrun_as_it_fails_torchrun(tmp_path):
+    """Each rank's worker forked (tests/warm_worker.py) aborts at its exit as a fresh one does: torchrun fails the
+    run, with the abort in its summary."""
+    script = faulty(tmp_path, "the C library's exit handler aborts")
+    fresh = run_as_user(*TORCHRUN_FRESH, "--nproc_per_node=2", script, timeout=60)
+    warm = run_as_user(*TORCHRUN, "--nproc_per_node=2", script, timeout=60)
+    assert fresh.returncode == warm.returncode == 1
+    for result in (fresh, warm):
+        assert "the last line" in result.stdout and "Signal 6 (SIGABRT)" in result.stderr, result.stderr[-2000:]
 
 
 # ---- python SCRIPT ----

@@ -2,10 +2,13 @@
 
 start() hands the command to a server that forks a process for it and returns it as subprocess.Popen shows
 one (pid, poll(), wait(), returncode); run() starts one and waits, as subprocess.run does. The fork takes the
-command's folder and output files, is made what a new interpreter would be (tests/as_python.py), with the
-signals the caller ignores now still ignored (those of the server's own start may have changed since), runs
-the script, and exits with its code. The server reports the process's number, then its end, and forks the
-next command at once, so processes may run side by side (a test's replica groups).
+command's folder, environment and output files, is made what a new interpreter would be (tests/as_python.py),
+with the signals the caller ignores now still ignored (those of the server's own start may have changed since),
+and runs the script; its end propagates out of the server's code, so the fork ends as `python SCRIPT` ends:
+non-daemon threads joined, exit functions run, the interpreter finalized, the C library's exit handlers run. A
+fault at that teardown fails the fork as it fails python (tests/test_warm_launch.py). The server reports the
+process's number, then its end, and forks the next command at once, so processes may run side by side (a
+test's replica groups); a caller that closes its connection first has its process killed.
 
 A server is a fresh interpreter started in the command's environment: a new interpreter reads some variables
 as it starts and imports torch (PYTHONPATH, CUDA_VISIBLE_DEVICES, ...), so each environment (but for the name
@@ -38,6 +41,7 @@ from as_python import run as run_script
 SERVERS = 6  # a worker meets 7 to 9 environments a suite: with 4, servers it went on using were ended and started again (4 a suite)
 _servers = {}  # the started servers by environment, the one used last at the end
 _lock = threading.Lock()
+SOCKET = "WARM_PYTHON_SOCKET"  # in each forked process: its server, where a launcher's workers ask for their forks
 
 
 def _serve(path: str) -> None:
@@ -60,17 +64,24 @@ def _serve(path: str) -> None:
                 pid = _fork(connection, waiting)
                 try:
                     connection.sendall(f"{pid}\n".encode())
-                except OSError:  # the caller is gone: its process still runs, and is waited for
-                    pass
+                except OSError:  # the caller is gone already: so is its process
+                    os.kill(pid, signal.SIGKILL)
                 waiting.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, connection))
+                waiting.register(connection, selectors.EVENT_READ, pid)
+            elif isinstance(key.data, int):  # the caller closed its end before its process ended: it gave up on it
+                waiting.unregister(key.fileobj)
+                if not key.fileobj.recv(1):
+                    os.kill(key.data, signal.SIGKILL)
             else:
                 pid, connection = key.data
                 waiting.unregister(key.fd)
                 os.close(key.fd)
                 _, status = os.waitpid(pid, 0)
+                if connection.fileno() in waiting.get_map():
+                    waiting.unregister(connection)
                 try:
                     connection.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
-                except OSError:  # the caller gave up on it (its time limit): it killed the process
+                except OSError:
                     pass
                 connection.close()
 
@@ -78,8 +89,8 @@ def _serve(path: str) -> None:
 def _fork(connection: socket.socket, waiting: selectors.BaseSelector) -> int:
     """Read a request and fork its process; return its pid."""
     message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 2)
-    with connection.makefile("rb") as rest:  # a stream: the request may come in more than one piece
-        message += rest.read()
+    while not message.endswith(b"\n"):  # a stream: the request may come in more than one piece
+        message += connection.recv(1 << 16)
     request = json.loads(message)
     pid = os.fork()
     if pid:
@@ -87,9 +98,8 @@ def _fork(connection: socket.socket, waiting: selectors.BaseSelector) -> int:
             os.close(fd)
         return pid
     for key in list(waiting.get_map().values()):  # the listener, the other processes' pidfds and their callers
-        if key.data:
+        if isinstance(key.fileobj, int):
             os.close(key.fd)
-            key.data[1].close()
         else:
             key.fileobj.close()
     connection.close()
@@ -104,13 +114,13 @@ def _fork(connection: socket.socket, waiting: selectors.BaseSelector) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     afresh(request["ignored"])
-    os._exit(run_script(request["argv"]))
+    run_script(request["argv"])  # raises SystemExit (or KeyboardInterrupt): this process ends as python ends
 
 
 class Process:
     """A process a server forked, as subprocess.Popen shows one: its pid, poll(), wait() and returncode."""
 
-    def __init__(self, args: list, connection: socket.socket, log):
+    def __init__(self, args: list, connection: socket.socket, log=None):
         self.args, self.returncode = args, None
         self._connection, self._log, self._received = connection, log, b""
         answer = self._line(None)
@@ -148,22 +158,24 @@ class Process:
             return None
 
 
-def start(args: list, cwd, env: dict, stdout, stderr, new_session: bool = False) -> Process:
+def start(args: list, cwd, env: dict, stdout, stderr, new_session: bool = False, server: str | None = None) -> Process:
     """Start `python SCRIPT ARGS` (args without the python) in environment env, its output into the files
-    stdout and stderr (either may be the other), in a session of its own if new_session."""
-    server = _server_for(env)
+    stdout and stderr (either may be the other), in a session of its own if new_session. The process finds the
+    server that forked it in its variable SOCKET; server, a server's socket, sends the command there (what
+    tests/warm_worker.py does for a launcher's workers)."""
+    started = None if server else _server_for(env)
     connection = socket.socket(socket.AF_UNIX)
     try:
-        connection.connect(server["path"])
+        connection.connect(server or started["path"])
     except OSError as refused:
         connection.close()
-        raise RuntimeError(f"tests/warm_python.py's server is gone ({refused}):\n{_read(server['log'])}") from None
-    request = {"argv": [str(a) for a in args], "cwd": str(cwd), "env": env, "new_session": new_session,
-               "ignored": ignored_signals()}
-    socket.send_fds(connection, [json.dumps(request).encode()], [stdout.fileno(), stderr.fileno()])
-    connection.shutdown(socket.SHUT_WR)  # the request's end
-    process = Process(args, connection, server["log"])
-    server["started"].add(process)
+        raise RuntimeError(f"tests/warm_python.py's server is gone ({refused}):\n{_read(started and started['log'])}") from None
+    request = {"argv": [str(a) for a in args], "cwd": str(cwd), "env": {**env, SOCKET: server or started["path"]},
+               "new_session": new_session, "ignored": ignored_signals()}
+    socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [stdout.fileno(), stderr.fileno()])
+    process = Process(args, connection, started and started["log"])
+    if started:
+        started["started"].add(process)
     return process
 
 
@@ -211,6 +223,8 @@ def _start(env: dict) -> dict:
 
 
 def _read(log) -> str:
+    if log is None:
+        return "(the server's log is the pytest worker's)"
     log.seek(0)
     return log.read()[-3000:]
 
@@ -218,7 +232,7 @@ def _read(log) -> str:
 def _imported_with(env: dict) -> dict:
     """The variables a process could read as it starts: all but those that name what a test runs, read as it
     runs: the test's name (pytest sets it for each), the folder tests/crash.py records samples into."""
-    return {name: value for name, value in env.items() if name not in ("PYTEST_CURRENT_TEST", "RECORD_SAMPLES")}
+    return {name: value for name, value in env.items() if name not in ("PYTEST_CURRENT_TEST", "RECORD_SAMPLES", SOCKET)}
 
 
 def _text(file) -> str:

@@ -3,7 +3,7 @@ the test that started it (tools/durations.py puts this folder on PYTHONPATH and 
 
 A process forked by multiprocessing (a DataLoader worker, a process of common/spawn.py's fork server) ends
 through os._exit, which skips atexit: it notes its own through multiprocessing's exit finalizers instead.
-The suite's warm launches (tests/as_python.py) run the exit functions in their forks: those note there.
+The suite's warm launches (tests/warm_python.py) end their forks as python ends, running the exit functions.
 Children are not added in, so that no second is counted twice. On PYTHONPATH, this module is found before
 a sitecustomize of the Python installation, which does not run during such a run.
 """
@@ -19,7 +19,7 @@ FOLDER = os.environ.get("PROCESS_COSTS")
 
 
 def note(forked=False):
-    if os.getpid() in noted:  # a fork that runs the exit functions (tests/as_python.py) has its finalizer too
+    if os.getpid() in noted:  # a multiprocessing child that also runs the exit functions notes once
         return
     noted.add(os.getpid())
     usage = resource.getrusage(resource.RUSAGE_SELF)
