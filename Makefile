@@ -2,6 +2,7 @@
 #   make demo   # creates .venv if missing, installs the project, runs the MNIST ladder (single, then DDP x2)
 #   make test   # creates .venv if missing, installs the project, runs the test suite
 #   make test-durations  # the same, then the suite's time per chapter, file and test into docs/tests.md
+#   make test-lowest  # the suite against the lowest versions pyproject.toml allows, in a venv of its own (.venv-lowest)
 #   make check  # a contributor's check before each commit, under a minute: lint, the lesson diffs, the layout,
 #               # the site (--strict) with its recordings' staleness, and the fast unit equalities
 #   make figures  # redraws every figure in images/ from the code and from real runs (figures/, a few minutes)
@@ -16,7 +17,7 @@ VENV ?= .venv
 DATA_DIR ?= data
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-durations check benchmark figures gpu-check docs docs-serve docs-outputs
+.PHONY: demo test test-durations test-lowest check benchmark figures gpu-check docs docs-serve docs-outputs
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +36,18 @@ test: $(VENV)/.installed
 # The suite as make test runs it, then its time per chapter, per file and per test into docs/tests.md.
 test-durations: $(VENV)/.installed
 	$(BIN)/python tools/durations.py --run
+
+# Every lower bound pyproject.toml declares, tested, Python's included: tools/lowest_versions.py pins each to its bound.
+LOWEST ?= .venv-lowest
+LOWEST_PYTHON ?= python3.10
+
+test-lowest:
+	$(LOWEST_PYTHON) -m venv $(LOWEST)
+	$(LOWEST)/bin/python -m pip install --quiet --upgrade pip "tomli; python_version < '3.11'"
+	$(LOWEST)/bin/python tools/lowest_versions.py > $(LOWEST)/constraints.txt
+	$(LOWEST)/bin/python -m pip install --quiet -c $(LOWEST)/constraints.txt -e '.[dev]'
+	$(LOWEST)/bin/python -m pytest 2>&1 | tee $(LOWEST)/pytest.log
+	$(LOWEST)/bin/python tools/lowest_versions.py --record $(LOWEST)/pytest.log
 
 CHECK_TESTS := test_lint.py test_layout.py test_chapters.py test_site.py test_screen.py test_mutations.py test_samplers.py test_devices.py test_bucketing.py \
 	test_accumulation.py test_allreduce.py
