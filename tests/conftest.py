@@ -16,23 +16,24 @@ GPU_DEVICES = None if os.environ[SESSION_GPUS] == "unset" else os.environ[SESSIO
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # The suite runs more processes than the machine has cores. An OpenMP thread of torch's (GNU libgomp in torch's
 # wheels) that has done its share of an operation spins a while before it sleeps, on a core another process
-# needs; PASSIVE makes it sleep at once (docs/tests.md has the measurement). Set before the workers start, as
-# above, so that every process of the suite, SLURM's jobs included, reads it; a value already set is kept.
+# needs; PASSIVE makes it sleep at once, and changes nothing the processes compute. Set before the workers start,
+# as above, so that every process of the suite, SLURM's jobs included, reads it; a value already set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import warm_python  # noqa: E402  (after the line above: its server inherits the hidden GPUs)
+import warm_python  # noqa: E402  (tests/ modules after the settings above, which every process of the suite reads)
 from mnist_files import write_tiny_mnist  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
 TEST_IMAGES = 101  # divides by neither 2 nor 3 processes
 
 
 # pyproject's addopts run the suite on pytest-xdist workers, each file on one worker (--dist loadfile:
 # a file's module fixtures, such as the SLURM cluster, are made once), handed out in collection order.
 # The files that take longest (measured on a 2-core CPU) go first, so that no worker is left running one of
-# them alone at the end; the first two side by side, the fault-tolerant tests (mostly waiting on their groups'
-# timeouts) beside the DeepSpeed rungs (busy, and on a fresh machine compiling DeepSpeed's extension), not beside
-# other waits.
+# them alone at the end: every chapter script launched afresh on one worker, the DeepSpeed rungs on the other (on
+# a fresh machine compiling DeepSpeed's extension), then the fault-tolerant tests, mostly waiting on their groups'
+# timeouts, beside busy files rather than beside other waits.
 LONGEST_FIRST = ["test_as_users_run.py", "test_deepspeed_rungs.py", "test_fault_tolerant.py", "test_resume.py", "test_slurm.py", "test_gpu_paths.py",
                  "test_warm_launch.py", "test_benchmarks.py", "test_compile.py", "test_notebooks.py", "test_lessons.py",
                  "test_simulate.py", "test_debugging.py", "test_figures.py", "test_deepspeed.py", "test_data_pipeline.py",
@@ -87,7 +88,8 @@ def run_as_user(*args, cwd=ROOT, timeout=180, env_extra=None):
         return subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)
     except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"{' '.join(map(str, args))} did not finish within {timeout} s:\n{expired.stdout}\n{expired.stderr}")
+        out, err = (text.decode(errors="replace") if isinstance(text, bytes) else text for text in (expired.stdout, expired.stderr))
+        pytest.fail(f"{' '.join(map(str, args))} did not finish within {timeout} s:\n{out}\n{err}")
 
 
 @pytest.fixture
@@ -95,7 +97,6 @@ def run_command():
     return run_as_user
 
 
-PYTHON = sys.executable
 # torchrun itself, and torchrun whose workers are forks of the warm server that forked it (tests/warm_torchrun.py):
 # the suite's runs, each worker started about 3 CPU seconds sooner, ended as a fresh one ends. The runs that prove
 # what holds between fresh interpreters (equal weights across ranks, which each draw their own hash seed) or read

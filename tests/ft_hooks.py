@@ -5,8 +5,9 @@
 WHAT is comma-separated:
   slow-while=FILE      every optimizer step sleeps 1 s more while FILE exists, so that the survivors are still
                        training when a restarted group has started (its start takes seconds on a loaded CPU);
-                       FILE.PID exists while process PID sleeps there: between two steps, where it has no quorum
-                       request at the lighthouse (zero_grad asks for the next), so a kill there leaves none behind
+                       FILE.G.R exists while rank R of group G (its --group) sleeps there: between two steps, where
+                       it has no quorum request at the lighthouse (zero_grad asks for the next), so a kill there
+                       leaves none behind
   slow-heal=FILE       the heal writes FILE when it starts fetching a peer's state, then waits 3 s: long enough
                        for a test to kill the group in the middle of its heal
   late-commit=SECONDS  rank 0 of the group reaches its second step's commit SECONDS late (should_commit waits
@@ -14,6 +15,8 @@ WHAT is comma-separated:
   skip-heal-copy       negative control: the heal loads nothing (the weights and the moments stay where they were;
                        the step still jumps to the peers')
   heal-weights-only    negative control: the heal loads the weights but not the optimizer's moments
+  pids=FOLDER          FOLDER/G.R holds the process id of rank R of group G (its --group): the process a test kills
+                       to kill that rank, wherever it was started from
   none                 nothing
 """
 import os
@@ -26,8 +29,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
-def slow_while(path: Path) -> None:
-    resting = path.with_name(f"{path.name}.{os.getpid()}")
+def slow_while(path: Path, group: str) -> None:
+    resting = path.with_name(f"{path.name}.{group}.{os.environ.get('RANK', 0)}")
 
     def hook(optimizer, args, kwargs) -> None:
         if path.exists():
@@ -71,8 +74,10 @@ def main() -> None:
     what, script, *argv = sys.argv[1:]
     for item in what.split(","):
         name, _, value = item.partition("=")
-        if name == "slow-while":
-            slow_while(Path(value))
+        if name == "pids":
+            (Path(value) / f"{argv[argv.index('--group') + 1]}.{os.environ.get('RANK', 0)}").write_text(str(os.getpid()))
+        elif name == "slow-while":
+            slow_while(Path(value), argv[argv.index("--group") + 1])
         elif name == "slow-heal":
             slow_heal(Path(value))
         elif name == "late-commit":

@@ -58,6 +58,8 @@ class Groups:
 
     def start(self, group: int, hooks: str = "none", *flags) -> None:
         run = self.starts[group] = self.starts.get(group, 0) + 1
+        (self.folder / "pids").mkdir(exist_ok=True)
+        hooks = f"pids={self.folder / 'pids'},{hooks}"
         command = [*TORCHRUN, f"--nproc_per_node={self.nproc}", HOOKS, hooks, self.script, "--data-dir", self.data, "--group", group,
                    "--groups", self.groups, "--batch-size", self.batch, "--max-steps", self.steps,
                    "--lighthouse", self.lighthouse, "--quorum-timeout", 30, "--dist-timeout", 30,
@@ -79,16 +81,24 @@ class Groups:
 
     def resting(self, group: int, slow: Path) -> bool:
         """Whether a worker of the group sleeps in slow-while's hook, between two steps (tests/ft_hooks.py)."""
-        return any(slow.with_name(f"{slow.name}.{pid}").exists() for pid in children(self.running[group].pid))
+        return any(slow.parent.glob(f"{slow.name}.{group}.*"))
 
     def kill(self, group: int) -> None:
-        """SIGKILL the agent and its worker: torchrun starts the worker in a session of its own, so killing the
-        agent alone would leave the worker training."""
+        """SIGKILL the agent, its workers and the processes that run their script (forks of a warm server, whose ids
+        tests/ft_hooks.py writes), and wait until they are gone: killing the agent alone would leave them training."""
         agent = self.running.pop(group)
-        for pid in [*children(agent.pid), agent.pid]:
+        ranks = list((self.folder / "pids").glob(f"{group}.*"))
+        scripts = [int(path.read_text()) for path in ranks]
+        for pid in [*scripts, *children(agent.pid), agent.pid]:
             with contextlib.suppress(ProcessLookupError):  # ended since it was listed (a group that failed)
                 os.kill(pid, signal.SIGKILL)
         agent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in scripts):
+            assert time.monotonic() < deadline, f"group {group}'s ranks outlived a SIGKILL by 10 s"
+            time.sleep(0.05)
+        for path in ranks:
+            path.unlink()
 
     def wait_for(self, what: str, condition) -> None:
         deadline = time.monotonic() + WAIT
@@ -120,6 +130,14 @@ class Groups:
         for group in list(self.running):
             if self.running[group].poll() is None:
                 self.kill(group)
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs: neither gone nor a zombie its parent has yet to reap."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def children(pid: int) -> list[int]:
@@ -159,6 +177,8 @@ def kill_and_heal(groups: Groups, group: int, slow: Path) -> tuple[float, dict]:
     groups.wait_for(f"group {group} between two steps", lambda: groups.resting(group, slow))
     killed = time.time()
     groups.kill(group)
+    for rested in slow.parent.glob(f"{slow.name}.{group}.*"):  # left by a rank killed as it slept there
+        rested.unlink()
     groups.start(group, f"slow-while={slow}")
     groups.wait_for(f"a heal of group {group}", lambda: any(line["healed"] for line in groups.log(group)))
     # Slow until every group is back in one quorum: a kill while the others set up their process group for a new

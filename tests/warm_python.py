@@ -38,7 +38,7 @@ import weakref
 from as_python import PRELOAD, afresh, ignored_signals
 from as_python import run as run_script
 
-SERVERS = 6  # a worker meets 7 to 9 environments a suite: with 4, servers it went on using were ended and started again (4 a suite)
+SERVERS = 6  # a worker meets 7 to 9 environments a suite; each server holds an imported torch
 _servers = {}  # the started servers by environment, the one used last at the end
 _lock = threading.Lock()
 SOCKET = "WARM_PYTHON_SOCKET"  # in each forked process: its server, where a launcher's workers ask for their forks
@@ -46,38 +46,38 @@ SOCKET = "WARM_PYTHON_SOCKET"  # in each forked process: its server, where a lau
 
 def _serve(path: str) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit())  # an ordinary exit, its exit functions run (afresh() resets it)
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: end with the pytest worker that started it
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: end when the thread that started it ends
     for module in PRELOAD:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ImportError:  # a library this environment lacks, or a module a release renamed: the forks import their own
+            pass
     gc.collect()  # what the imports made, out of the collector's scans in every fork: see PRELOAD's note
     gc.freeze()
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path)
     listener.listen()
-    waiting = selectors.DefaultSelector()  # the listener, and a pidfd for each running process: readable at its end
+    # The listener; for each running process a pidfd, readable at its end, and its caller's connection, readable
+    # (at its end of file) if the caller gives up on it first.
+    waiting = selectors.DefaultSelector()
     waiting.register(listener, selectors.EVENT_READ)
     print("ready", flush=True)
     while True:
         for key, _ in waiting.select():
             if key.fileobj is listener:
-                connection, _ = listener.accept()
-                pid = _fork(connection, waiting)
-                try:
-                    connection.sendall(f"{pid}\n".encode())
-                except OSError:  # the caller is gone already: so is its process
-                    os.kill(pid, signal.SIGKILL)
-                waiting.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, connection))
-                waiting.register(connection, selectors.EVENT_READ, pid)
-            elif isinstance(key.data, int):  # the caller closed its end before its process ended: it gave up on it
-                waiting.unregister(key.fileobj)
+                _take_request(listener.accept()[0], waiting)
+            elif waiting.get_map().get(key.fd) is not key:  # unregistered by an earlier key of this round
+                continue
+            elif isinstance(key.data, int):  # a caller's connection
                 if not key.fileobj.recv(1):
-                    os.kill(key.data, signal.SIGKILL)
+                    waiting.unregister(key.fileobj)
+                    os.kill(key.data, signal.SIGKILL)  # its end is reported as any other's
             else:
                 pid, connection = key.data
                 waiting.unregister(key.fd)
                 os.close(key.fd)
                 _, status = os.waitpid(pid, 0)
-                if connection.fileno() in waiting.get_map():
+                if waiting.get_map().get(connection.fileno()):
                     waiting.unregister(connection)
                 try:
                     connection.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
@@ -86,11 +86,30 @@ def _serve(path: str) -> None:
                 connection.close()
 
 
-def _fork(connection: socket.socket, waiting: selectors.BaseSelector) -> int:
-    """Read a request and fork its process; return its pid."""
+def _take_request(connection: socket.socket, waiting: selectors.BaseSelector) -> None:
+    """Fork the process a caller asks for, tell it the pid, and wait for the process's end and the caller's."""
+    pid = _fork(connection, waiting)
+    if pid is None:  # the caller closed the connection before its request was whole
+        connection.close()
+        return
+    try:
+        connection.sendall(f"{pid}\n".encode())
+    except OSError:  # the caller is gone already: so is its process
+        os.kill(pid, signal.SIGKILL)
+    waiting.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, connection))
+    waiting.register(connection, selectors.EVENT_READ, pid)
+
+
+def _fork(connection: socket.socket, waiting: selectors.BaseSelector) -> int | None:
+    """Read a request and fork its process; return its pid (None for a request cut short)."""
     message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 2)
-    while not message.endswith(b"\n"):  # a stream: the request may come in more than one piece
-        message += connection.recv(1 << 16)
+    while message and not message.endswith(b"\n"):  # a stream: the request may come in more than one piece
+        piece = connection.recv(1 << 16)
+        message = message + piece if piece else b""
+    if not message:
+        for fd in fds:
+            os.close(fd)
+        return None
     request = json.loads(message)
     pid = os.fork()
     if pid:
@@ -102,12 +121,15 @@ def _fork(connection: socket.socket, waiting: selectors.BaseSelector) -> int:
             os.close(key.fd)
         else:
             key.fileobj.close()
+    waiting.close()
     connection.close()
     for fd, target in zip(fds, (1, 2)):
         os.dup2(fd, target)
     for fd in set(fds):
         os.close(fd)
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     if request["new_session"]:
         os.setsid()
     os.chdir(request["cwd"])
@@ -132,9 +154,10 @@ class Process:
         """The server's next line, None if it closed the connection first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._received:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and (left <= 0 or not select.select([self._connection], [], [], left)[0]):
-                raise subprocess.TimeoutExpired(self.args, timeout)
+            if deadline is not None:
+                left = max(0.0, deadline - time.monotonic())  # 0: poll(), which still reads what has arrived
+                if not select.select([self._connection], [], [], left)[0]:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
             piece = self._connection.recv(64)
             if not piece:
                 return None
@@ -189,6 +212,12 @@ def run(args: list, cwd, env: dict, timeout: float) -> subprocess.CompletedProce
             os.kill(process.pid, signal.SIGKILL)
             raise subprocess.TimeoutExpired(args, timeout, _text(out), _text(err)) from None
         return subprocess.CompletedProcess(args, code, _text(out), _text(err))
+
+
+def socket_for(env: dict) -> str:
+    """The socket of the server for env, started if there is none (a warm launcher started afresh, by a test that
+    runs it with subprocess, gives its workers this one)."""
+    return _server_for(env)["path"]
 
 
 def _server_for(env: dict) -> dict:

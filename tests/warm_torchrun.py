@@ -7,11 +7,13 @@ It takes torchrun's own arguments and runs torchrun's own code (rendezvous, rest
 the summary of failed ranks), with one change: each worker runs tests/warm_worker.py SCRIPT ARGS, which has the
 same server fork the script. Every fork ends through the interpreter's own exit, as a fresh worker does.
 """
+import os
 import sys
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.run import parse_args, run
+from warm_python import SOCKET, socket_for
 
 WORKER = Path(__file__).resolve().with_name("warm_worker.py")
 
@@ -23,6 +25,8 @@ def forked(args):
         sys.exit("a warm launch runs a Python script: use the launcher itself for --no-python, --module or --run-path")
     args.training_script_args = [args.training_script, *args.training_script_args]
     args.training_script = str(WORKER)
+    if SOCKET not in os.environ:  # a launcher started afresh (by subprocess), not forked by a warm server
+        os.environ[SOCKET] = socket_for(dict(os.environ))
     return args
 
 

@@ -1,5 +1,5 @@
-"""A launcher's worker, forked from the warm server that forked the launcher, instead of a new interpreter that
-imports torch again.
+"""A launcher's worker whose script runs in a fork of the warm server that forked the launcher, instead of in a
+new interpreter that imports torch again.
 
     (torchrun runs it for each worker, in a session of its own)  python -u tests/warm_worker.py SCRIPT ARGS...
 
@@ -16,12 +16,23 @@ from warm_python import SOCKET, start
 
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
+
+def pass_on(number, _):
+    try:
+        os.kill(process.pid, number)
+    except ProcessLookupError:  # it has ended: its end is on its way
+        pass
+
+
+signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)  # held until there is a process to pass them on to
 process = start(sys.argv[1:], os.getcwd(), dict(os.environ), sys.stdout, sys.stderr, new_session=True,
                 server=os.environ[SOCKET])
 for number in PASSED_ON:
-    signal.signal(number, lambda number, _: os.kill(process.pid, number))
+    signal.signal(number, pass_on)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
 code = process.wait()
-if code < 0:
-    signal.signal(-code, signal.SIG_DFL)
+if code < 0:  # end by the same signal: its default action (SIGKILL's cannot be set, and is that already)
+    if -code not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)
 sys.exit(code)
