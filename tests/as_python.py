@@ -21,13 +21,14 @@ import types
 from pathlib import Path
 
 # What the parent imports once, and afresh() finds in sys.modules: every optimizer imports torch._dynamo, and
-# every BERT script transformers' model code (transformers.modeling_utils, about 1 CPU second of its own) and
-# datasets (about 0.45 CPU s more, once transformers is in); every torch.compile call inductor's
-# (torch._inductor.compile_fx, about 1 CPU second), and every DeepSpeed engine makes three (checking the optimizer
-# it is given, it imports its Muon optimizer, whose functions torch.compile wraps). tests/warm_python.py's servers
-# then freeze what these made (gc.freeze()): a fork's full collections (DeepSpeed's ZeRO-3 asks for one) scan what
-# its script made, not the half a million objects of the imports.
-PRELOAD = ["torch", "torch._dynamo", "numpy", "transformers.modeling_utils", "datasets", "torch._inductor.compile_fx"]
+# every BERT script transformers' model code (transformers.modeling_utils, about 1 CPU second of its own); every
+# torch.compile call inductor's (torch._inductor.compile_fx, about 1 CPU second), and every DeepSpeed engine makes
+# three (checking the optimizer it is given, it imports its Muon optimizer, whose functions torch.compile wraps).
+# Not datasets: it imports pyarrow, whose jemalloc starts a background thread, and a fork of a process with that
+# thread can deadlock in its own next fork (a rank starting its DataLoader workers hung in os.fork()).
+# tests/warm_python.py's servers then freeze what these made (gc.freeze()): a fork's full collections (DeepSpeed's
+# ZeRO-3 asks for one) scan what its script made, not the half a million objects of the imports.
+PRELOAD = ["torch", "torch._dynamo", "numpy", "transformers.modeling_utils", "torch._inductor.compile_fx"]
 
 
 def ignored_signals() -> list[int]:

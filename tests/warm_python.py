@@ -62,6 +62,18 @@ def _serve(path: str) -> None:
     waiting = selectors.DefaultSelector()
     waiting.register(listener, selectors.EVENT_READ)
     print("ready", flush=True)
+    server = os.getpid()
+    try:
+        _answer(listener, waiting)
+    finally:
+        if os.getpid() == server:  # the server's own end (a fork's end passes here too, and leaves its siblings)
+            for key in list(waiting.get_map().values()):
+                if isinstance(key.data, tuple):  # a process still running, which nobody else would end
+                    _kill(key.data[0])
+
+
+def _answer(listener: socket.socket, waiting: selectors.BaseSelector) -> None:
+    """Fork a process for each request, report each process's end, and kill one whose caller gave up on it."""
     while True:
         for key, _ in waiting.select():
             if key.fileobj is listener:
@@ -71,7 +83,7 @@ def _serve(path: str) -> None:
             elif isinstance(key.data, int):  # a caller's connection
                 if not key.fileobj.recv(1):
                     waiting.unregister(key.fileobj)
-                    os.kill(key.data, signal.SIGKILL)  # its end is reported as any other's
+                    _kill(key.data)  # its end is reported as any other's
             else:
                 pid, connection = key.data
                 waiting.unregister(key.fd)
@@ -95,9 +107,21 @@ def _take_request(connection: socket.socket, waiting: selectors.BaseSelector) ->
     try:
         connection.sendall(f"{pid}\n".encode())
     except OSError:  # the caller is gone already: so is its process
-        os.kill(pid, signal.SIGKILL)
+        _kill(pid)
     waiting.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, connection))
     waiting.register(connection, selectors.EVENT_READ, pid)
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL the process and, where it leads a session of its own, its group (its DataLoader workers), as torchrun
+    kills a worker's."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _fork(connection: socket.socket, waiting: selectors.BaseSelector) -> int | None:

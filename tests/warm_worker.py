@@ -6,7 +6,8 @@ new interpreter that imports torch again.
 This process is the worker the launcher sees. It imports no torch: it asks the server named in its environment
 (tests/warm_python.py's SOCKET) to fork `python SCRIPT ARGS` with its own environment, folder, output files and
 ignored signals, in a session of its own; passes on each signal the launcher sends; and ends as that process
-ended, with its exit code or by the signal that ended it. If it is killed, the server kills the fork.
+ended, with its exit code or by the signal that ended it. If it is killed, the server kills the fork's
+process group.
 """
 import os
 import signal
@@ -18,8 +19,9 @@ PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 
 
 def pass_on(number, _):
+    """To the fork's process group, as torchrun signals its worker's (the fork's DataLoader workers are in it)."""
     try:
-        os.kill(process.pid, number)
+        os.killpg(process.pid, number)
     except ProcessLookupError:  # it has ended: its end is on its way
         pass
 
