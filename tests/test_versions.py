@@ -47,3 +47,11 @@ def test_every_lower_bound_is_pinned_for_the_lowest_run():
     assert pins["lightning"].startswith("lightning==2.6")  # ">=2.6,<2.7": the lower bound
     assert pins["torchft"].startswith("torchft==0.2.0 ; platform_system")  # an extra's extra, its marker kept
     assert "tqdm" not in pins  # no bound: whatever pip picks
+
+
+def test_only_a_passing_suite_is_recorded():
+    """make test-lowest records pytest's closing line only when nothing failed or erred."""
+    passed = "===== 2381 passed, 78 skipped, 244 warnings in 888.08s (0:14:48) ====="
+    assert lowest_versions.passing_result(passed) == "2381 passed, 78 skipped, 244 warnings in 888.08s (0:14:48)"
+    assert lowest_versions.passing_result(passed.replace("244 warnings", "244 warnings, 2 errors")) is None
+    assert lowest_versions.passing_result(passed.replace("2381 passed", "1 failed, 2380 passed")) is None

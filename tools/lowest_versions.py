@@ -53,6 +53,14 @@ def lowest(requirement: str) -> str | None:
     return None
 
 
+def passing_result(output: str) -> str | None:
+    """pytest's closing line, if it says the suite passed: tests passed, and none failed or erred."""
+    closing = [line.strip("= ") for line in output.splitlines() if " passed" in line and " in " in line]
+    if not closing or any(word in closing[-1] for word in ("failed", "error")):
+        return None
+    return closing[-1]
+
+
 def record(log: Path) -> str:
     """The page's table: this interpreter and the installed version of each pinned package, then pytest's result."""
     import platform
@@ -61,11 +69,11 @@ def record(log: Path) -> str:
     sys.path.insert(0, str(ROOT / "tools"))
     from record_outputs import machine_description
     names = [pin.split("==")[0] for pin in map(lowest, requirements()) if pin]
-    result = [line.strip("= ") for line in log.read_text().splitlines() if " passed" in line and " in " in line]
-    if not result or "failed" in result[-1]:
+    result = passing_result(log.read_text())
+    if result is None:
         sys.exit(f"error: {log} holds no passing pytest result: nothing recorded.")
     rows = [f"| Python | {platform.python_version()} |"] + [f"| {name} | {version(name)} |" for name in names]
-    return (f"`make test-lowest` on a {machine_description()}: **{result[-1]}**.\n\n"
+    return (f"`make test-lowest` on a {machine_description()}: **{result}**.\n\n"
             "| package | version |\n|---|---|\n" + "\n".join(rows))
 
 
