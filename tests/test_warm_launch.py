@@ -17,6 +17,7 @@ import warm_python
 from conftest import ACCELERATE, ACCELERATE_FRESH, PYTHON, ROOT, TORCHRUN, TORCHRUN_FRESH, offline_env, run_as_user
 
 PROBE = ROOT / "tests" / "process_facts.py"
+PROCESSES = 2  # the process facts hold rank by rank: two ranks show what differs between them
 TORCHS_OWN_FORK = [*TORCHRUN_FRESH, "--run-path", "--start-method", "fork"]  # the negative control: no fresh_process.py
 
 
@@ -25,29 +26,29 @@ def facts_of(folder, processes):
     return facts, [(folder / f"rank{rank}.exit").exists() for rank in range(processes)]
 
 
-def launch(launcher, folder, end="return", processes=2):
+def launch(launcher, folder, end="return"):
     """The probe under torchrun (its flags for the process count) or accelerate launch (its own)."""
     folder.mkdir()
     if launcher in (ACCELERATE, ACCELERATE_FRESH):
-        sized, timeout = ["--multi_gpu", "--num_processes", processes, "--num_machines", 1, "--mixed_precision", "no",
+        sized, timeout = ["--multi_gpu", "--num_processes", PROCESSES, "--num_machines", 1, "--mixed_precision", "no",
                           "--dynamo_backend", "no"], 90
     else:
-        sized, timeout = [f"--nproc_per_node={processes}", "--monitor-interval=0.1"], 60
+        sized, timeout = [f"--nproc_per_node={PROCESSES}", "--monitor-interval=0.1"], 60
     result = run_as_user(*launcher, *sized, PROBE, end, folder, timeout=timeout)
-    if not all((folder / f"rank{rank}.json").exists() for rank in range(processes)):
+    if not all((folder / f"rank{rank}.json").exists() for rank in range(PROCESSES)):
         pytest.fail(f"a rank did not start (exit {result.returncode}):\n{result.stderr[-2000:]}")
-    return (result, *facts_of(folder, processes))
+    return (result, *facts_of(folder, PROCESSES))
 
 
 @pytest.fixture(scope="module")
 def torchrun_itself(tmp_path_factory):
-    """launch(TORCHRUN_FRESH, ...), each way of ending and process count run once: several tests compare with it."""
+    """launch(TORCHRUN_FRESH, ...), each way of ending run once: several tests compare with it."""
     runs = {}
 
-    def launched(end="return", processes=2):
-        if (end, processes) not in runs:
-            runs[end, processes] = launch(TORCHRUN_FRESH, tmp_path_factory.mktemp("fresh") / "run", end, processes)
-        return runs[end, processes]
+    def launched(end="return"):
+        if end not in runs:
+            runs[end] = launch(TORCHRUN_FRESH, tmp_path_factory.mktemp("fresh") / "run", end)
+        return runs[end]
     return launched
 
 
@@ -58,27 +59,25 @@ def alike(facts):
             for rank in facts]
 
 
-@pytest.mark.parametrize("processes", [2, 3])
-def test_a_forked_worker_starts_as_torchrun_starts_one(tmp_path, torchrun_itself, processes):
-    _, fresh, fresh_exits = torchrun_itself(processes=processes)
-    _, warm, warm_exits = launch(TORCHRUN, tmp_path / "warm", processes=processes)
+def test_a_forked_worker_starts_as_torchrun_starts_one(tmp_path, torchrun_itself):
+    _, fresh, fresh_exits = torchrun_itself()
+    _, warm, warm_exits = launch(TORCHRUN, tmp_path / "warm")
     assert alike(warm) == alike(fresh)
-    assert warm_exits == fresh_exits == [True] * processes
-    assert len({rank["hash"] for rank in fresh}) == processes  # a seed each
+    assert warm_exits == fresh_exits == [True] * PROCESSES
+    assert len({rank["hash"] for rank in fresh}) == PROCESSES  # a seed each
     assert len({rank["hash"] for rank in warm}) == 1  # the launcher's, shared: what only TORCHRUN_FRESH shows
 
 
-@pytest.mark.parametrize("processes", [2, 3])
-def test_a_forked_worker_starts_as_accelerate_launch_starts_one(tmp_path, processes):
+def test_a_forked_worker_starts_as_accelerate_launch_starts_one(tmp_path):
     """accelerate launch's multi-process path, as the CPU configs select it: the same facts and variables in
     each worker. The shared hash seed shows the warm launch forked (and a fresh launch did not)."""
-    fresh_run, fresh, fresh_exits = launch(ACCELERATE_FRESH, tmp_path / "fresh", processes=processes)
-    warm_run, warm, warm_exits = launch(ACCELERATE, tmp_path / "warm", processes=processes)
+    fresh_run, fresh, fresh_exits = launch(ACCELERATE_FRESH, tmp_path / "fresh")
+    warm_run, warm, warm_exits = launch(ACCELERATE, tmp_path / "warm")
     assert fresh_run.returncode == warm_run.returncode == 0, warm_run.stderr[-2000:]
     assert alike(warm) == alike(fresh)
     assert fresh[0]["launcher's variables"]["ACCELERATE_MIXED_PRECISION"] == "no"
-    assert warm_exits == fresh_exits == [True] * processes
-    assert len({rank["hash"] for rank in fresh}) == processes and len({rank["hash"] for rank in warm}) == 1
+    assert warm_exits == fresh_exits == [True] * PROCESSES
+    assert len({rank["hash"] for rank in fresh}) == PROCESSES and len({rank["hash"] for rank in warm}) == 1
 
 
 def test_torchs_own_fork_would_not(tmp_path, torchrun_itself):
@@ -119,7 +118,7 @@ TEARDOWN_FAULTS = {  # each after a script's last line, as gloo's threads abort 
 HUNG = "still running"
 
 
-def ending(run, *args, timeout=8):
+def ending(run, *args, timeout=4):
     """How a run ended: its exit code, or HUNG past its time limit."""
     try:
         return run(*args, timeout=timeout).returncode

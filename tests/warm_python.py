@@ -11,10 +11,10 @@ process's number, then its end, and forks the next command at once, so processes
 test's replica groups); a caller that closes its connection first has its process killed.
 
 A server is a fresh interpreter started in the command's environment: a new interpreter reads some variables
-as it starts and imports torch (PYTHONPATH, CUDA_VISIBLE_DEVICES, ...), so each environment (but for the name
-of the test that runs it, which pytest changes for each, and tests/crash.py's folder for the samples it
-records) has a server of its own. A pytest worker starts one at its first command in an environment, keeps
-the SERVERS it used last (each holds an imported torch), and ends them with it.
+as it starts and imports torch (PYTHONPATH, CUDA_VISIBLE_DEVICES, ...), so each environment (but for the
+variables read only as a process runs, READ_AS_IT_RUNS) has a server of its own. A pytest worker starts one at
+its first command in an environment, keeps the SERVERS it used last (each holds an imported torch), and ends
+them with it.
 """
 import atexit
 import ctypes
@@ -282,10 +282,17 @@ def _read(log) -> str:
     return log.read()[-3000:]
 
 
+# Variables read only as a process runs, never as it starts: the test's name (pytest sets it for each), the folder
+# tests/crash.py records samples into, torchrun's rendezvous switch (torch/distributed/elastic/rendezvous/
+# dynamic_rendezvous.py reads it as it makes the store), the hosts a request goes to without a proxy (read at each
+# request), and an address inductor leaves in the environment of a process that compiled, for its own compilers.
+READ_AS_IT_RUNS = ("PYTEST_CURRENT_TEST", "RECORD_SAMPLES", SOCKET, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "no_proxy",
+                   "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+
+
 def _imported_with(env: dict) -> dict:
-    """The variables a process could read as it starts: all but those that name what a test runs, read as it
-    runs: the test's name (pytest sets it for each), the folder tests/crash.py records samples into."""
-    return {name: value for name, value in env.items() if name not in ("PYTEST_CURRENT_TEST", "RECORD_SAMPLES", SOCKET)}
+    """The variables a process could read as it starts: all but READ_AS_IT_RUNS."""
+    return {name: value for name, value in env.items() if name not in READ_AS_IT_RUNS}
 
 
 def _text(file) -> str:
