@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, offline_env
+from process_tree import descendants
 
 BIN = Path(sys.executable).parent  # where `pip install -e .` put python, torchrun and accelerate
 EXIT_WITHIN = 30  # seconds from the last line to the launcher's end; it ends its workers in about 1
@@ -108,23 +109,6 @@ LAUNCHES = {
 def test_every_chapter_script_is_launched():
     scripts = {str(path.relative_to(ROOT / "src" / "ch4")) for path in (ROOT / "src" / "ch4").rglob("*.py")}
     assert scripts == set(LAUNCHES)
-
-
-def descendants(pid: int) -> list[int]:
-    """pid's children, theirs, and so on: a launcher's workers live in sessions of their own."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # ended while listed
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, queue = [], [pid]
-    while queue:
-        below = children.get(queue.pop(), [])
-        found += below
-        queue += below
-    return found
 
 
 def kill_tree(process: subprocess.Popen) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TORCHRUN, assert_ran, run_as_user
+from process_tree import alive
 from test_resume import CRASH, RESTARTABLE, bitwise_equal, final_state
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -291,14 +292,6 @@ def rank_with_workers(init, pids) -> None:
     next(batches), next(batches)  # one batch from each worker: both have run their worker_init_fn
     pids.send([worker.pid for worker in batches._workers])
     time.sleep(60)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def own_group_only(worker_id: int) -> None:

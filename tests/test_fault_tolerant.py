@@ -24,6 +24,7 @@ import pytest
 import torch
 import warm_python
 from conftest import PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran, offline_env, run_as_user
+from process_tree import alive, descendants
 
 os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse logs every quorum at INFO
 torchft = pytest.importorskip("torchft", reason="torchft is not installed: pip install -e '.[ft]'")
@@ -89,7 +90,7 @@ class Groups:
         agent = self.running.pop(group)
         ranks = list((self.folder / "pids").glob(f"{group}.*"))
         scripts = [int(path.read_text()) for path in ranks]
-        for pid in [*scripts, *children(agent.pid), agent.pid]:
+        for pid in [*scripts, *descendants(agent.pid), agent.pid]:
             with contextlib.suppress(ProcessLookupError):  # ended since it was listed (a group that failed)
                 os.kill(pid, signal.SIGKILL)
         agent.wait(timeout=10)
@@ -130,27 +131,6 @@ class Groups:
         for group in list(self.running):
             if self.running[group].poll() is None:
                 self.kill(group)
-
-
-def alive(pid: int) -> bool:
-    """Whether pid runs: neither gone nor a zombie its parent has yet to reap."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is pid, from /proc (torchrun's worker, here)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 @pytest.fixture
