@@ -1,4 +1,4 @@
-# Two commands do all set-up on a fresh machine with Python >= 3.10:
+# Two commands do all set-up on a fresh machine with Python >= 3.11:
 #   make demo   # creates .venv if missing, installs the project, runs the MNIST ladder (single, then DDP x2)
 #   make test   # creates .venv if missing, installs the project, runs the test suite
 #   make test-durations  # the same, then the suite's time per chapter, file and test into docs/tests.md
@@ -39,11 +39,11 @@ test-durations: $(VENV)/.installed
 
 # Every lower bound pyproject.toml declares, tested, Python's included: tools/lowest_versions.py pins each to its bound.
 LOWEST ?= .venv-lowest
-LOWEST_PYTHON ?= python3.10
+LOWEST_PYTHON ?= python3.11
 
 test-lowest:
 	$(LOWEST_PYTHON) -m venv $(LOWEST)
-	$(LOWEST)/bin/python -m pip install --quiet --upgrade pip "tomli; python_version < '3.11'"
+	$(LOWEST)/bin/python -m pip install --quiet --upgrade pip
 	$(LOWEST)/bin/python tools/lowest_versions.py > $(LOWEST)/constraints.txt
 	$(LOWEST)/bin/python -m pip install --quiet -c $(LOWEST)/constraints.txt -e '.[dev]'
 	$(LOWEST)/bin/python -m pytest 2>&1 | tee $(LOWEST)/pytest.log

@@ -1,13 +1,13 @@
 """What the project declares: environment.yml installs what pyproject.toml lists, for the Python it allows, and
 tools/lowest_versions.py pins every lower bound (make test-lowest runs the suite on them)."""
 import sys
+import tomllib
 
 import yaml
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
 import lowest_versions  # noqa: E402  (tools/ is not a package)
-from lowest_versions import tomllib  # noqa: E402  (tomli on Python 3.10)
 
 
 def drift(environment: dict, project: dict) -> list[str]:

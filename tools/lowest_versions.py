@@ -11,12 +11,8 @@ pytest's last line into docs/tests.md.
 """
 import re
 import sys
+import tomllib
 from pathlib import Path
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10, the lowest the project allows: tomli is what became tomllib (pytest needs it there)
-    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = ROOT / "pyproject.toml"
