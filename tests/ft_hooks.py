@@ -72,12 +72,13 @@ def load_nothing_into(*classes) -> None:
 
 def main() -> None:
     what, script, *argv = sys.argv[1:]
+    group = argv[argv.index("--group") + 1] if "--group" in argv else os.environ.get("REPLICA_GROUP_ID", "0")  # as the rung reads it
     for item in what.split(","):
         name, _, value = item.partition("=")
         if name == "pids":
-            (Path(value) / f"{argv[argv.index('--group') + 1]}.{os.environ.get('RANK', 0)}").write_text(str(os.getpid()))
+            (Path(value) / f"{group}.{os.environ.get('RANK', 0)}").write_text(str(os.getpid()))
         elif name == "slow-while":
-            slow_while(Path(value), argv[argv.index("--group") + 1])
+            slow_while(Path(value), group)
         elif name == "slow-heal":
             slow_heal(Path(value))
         elif name == "late-commit":
