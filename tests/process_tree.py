@@ -1,5 +1,7 @@
 """A launch's processes as Linux's /proc shows them: whether one still runs, and every process below one (a
 launcher's workers live in sessions of their own, so a process group does not find them)."""
+import os
+import signal
 from pathlib import Path
 
 
@@ -30,3 +32,13 @@ def descendants(pid: int) -> list[int]:
         found += below
         queue += below
     return found
+
+
+def kill_tree(*pids: int) -> None:
+    """SIGKILL each of pids and every process below them, all listed before the first signal (a child whose parent
+    dies first is not lost to init); one that has ended meanwhile is skipped."""
+    for pid in [*pids, *(below for pid in pids for below in descendants(pid))]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -7,8 +7,6 @@ exit code the page shows, and no launcher may report a failed rank, even one it 
 --max-restarts would turn a rank that aborted at its exit into a rerun that passes. A hang at exit fails the test
 in one sentence that names the script.
 """
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, offline_env
-from process_tree import descendants
+from process_tree import kill_tree
 
 BIN = Path(sys.executable).parent  # where `pip install -e .` put python, torchrun and accelerate
 EXIT_WITHIN = 30  # seconds from the last line to the launcher's end; it ends its workers in about 1
@@ -111,15 +109,6 @@ def test_every_chapter_script_is_launched():
     assert scripts == set(LAUNCHES)
 
 
-def kill_tree(process: subprocess.Popen) -> None:
-    for pid in [process.pid, *descendants(process.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    process.wait()
-
-
 def launch_as_user(command: list[str], last: str, env: dict, name: str, timeout: float = 180,
                    exit_within: float = EXIT_WITHIN) -> subprocess.CompletedProcess:
     """Run command, reading its output as it comes; fail in one sentence if it does not print `last` within timeout,
@@ -142,7 +131,8 @@ def launch_as_user(command: list[str], last: str, env: dict, name: str, timeout:
         pass
     ended = _ends_within(process, exit_within) if seen.is_set() else process.poll() is not None
     if not ended:
-        kill_tree(process)
+        kill_tree(process.pid)
+        process.wait()
     for reader in readers:
         reader.join(10)
     out, err = "".join(printed["stdout"]), "".join(printed["stderr"])

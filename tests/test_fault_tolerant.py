@@ -10,10 +10,8 @@ again, marks a process that rests between two steps, and widens the heal, so tha
 it to: a group killed with its quorum request at the lighthouse can be put in the next quorum (the lighthouse counts
 it healthy until its heartbeat times out), and its peers then wait --dist-timeout for it.
 """
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -24,7 +22,7 @@ import pytest
 import torch
 import warm_python
 from conftest import PYTHON, ROOT, TEST_IMAGES, TORCHRUN, assert_ran, offline_env, run_as_user
-from process_tree import alive, descendants
+from process_tree import alive, kill_tree
 
 os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse logs every quorum at INFO
 torchft = pytest.importorskip("torchft", reason="torchft is not installed: pip install -e '.[ft]'")
@@ -90,9 +88,7 @@ class Groups:
         agent = self.running.pop(group)
         ranks = list((self.folder / "pids").glob(f"{group}.*"))
         scripts = [int(path.read_text()) for path in ranks]
-        for pid in [*scripts, *descendants(agent.pid), agent.pid]:
-            with contextlib.suppress(ProcessLookupError):  # ended since it was listed (a group that failed)
-                os.kill(pid, signal.SIGKILL)
+        kill_tree(*scripts, agent.pid)
         agent.wait(timeout=10)
         deadline = time.monotonic() + 10
         while any(alive(pid) for pid in scripts):
