@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine with Python >= 3.11:
 #   make demo   # creates .venv if missing, installs the project, runs the MNIST ladder (single, then DDP x2)
-#   make test   # creates .venv if missing, installs the project, runs the test suite
+#   make test   # creates .venv if missing, installs the project (and builds DeepSpeed's CPU collectives), runs the test suite
 #   make test-durations  # the same, then the suite's time per chapter, file and test into docs/tests.md
 #   make test-lowest  # the suite against the lowest versions pyproject.toml allows, in a venv of its own (.venv-lowest)
 #   make check  # a contributor's check before each commit, under a minute: lint, the lesson diffs, the layout,
@@ -27,14 +27,25 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
+# DeepSpeed compiles its shared-memory collectives for the CPU (deepspeed.comm.torch.build_shm_op) into
+# ~/.cache/torch_extensions the first time a process needs them, half a minute or more of one core, again for each
+# new environment. The suite has it built first, as its processes see the machine (no GPU), rather than in whichever
+# test runs DeepSpeed first while the tests beside it wait for the build. Nothing to build without DeepSpeed.
+prebuild_deepspeed = CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu $(1)/python -c "import importlib, importlib.util; \
+	importlib.util.find_spec('deepspeed') and importlib.import_module('deepspeed.comm.torch').build_shm_op()" > /dev/null
+
+$(VENV)/.deepspeed-built: $(VENV)/.installed
+	$(call prebuild_deepspeed,$(BIN))
+	touch $@
+
 demo: $(VENV)/.installed
 	$(BIN)/python benchmarks/mnist_speed.py --data-dir $(DATA_DIR) --runs single ddp
 
-test: $(VENV)/.installed
+test: $(VENV)/.deepspeed-built
 	$(BIN)/python -m pytest
 
 # The suite as make test runs it, then its time per chapter, per file and per test into docs/tests.md.
-test-durations: $(VENV)/.installed
+test-durations: $(VENV)/.deepspeed-built
 	$(BIN)/python tools/durations.py --run
 
 # Every lower bound pyproject.toml declares, tested, Python's included: tools/lowest_versions.py pins each to its bound.
@@ -46,6 +57,7 @@ test-lowest:
 	$(LOWEST)/bin/python -m pip install --quiet --upgrade pip
 	$(LOWEST)/bin/python tools/lowest_versions.py > $(LOWEST)/constraints.txt
 	$(LOWEST)/bin/python -m pip install --quiet -c $(LOWEST)/constraints.txt -e '.[dev]'
+	$(call prebuild_deepspeed,$(LOWEST)/bin)
 	$(LOWEST)/bin/python -m pytest 2>&1 | tee $(LOWEST)/pytest.log
 	$(LOWEST)/bin/python tools/lowest_versions.py --record $(LOWEST)/pytest.log
 

@@ -31,9 +31,9 @@ TEST_IMAGES = 101  # divides by neither 2 nor 3 processes
 # pyproject's addopts run the suite on pytest-xdist workers, each file on one worker (--dist loadfile:
 # a file's module fixtures, such as the SLURM cluster, are made once), handed out in collection order.
 # The files that take longest (measured on a 2-core CPU) go first, so that no worker is left running one of
-# them alone at the end: every chapter script launched afresh on one worker, the DeepSpeed rungs on the other (on
-# a fresh machine compiling DeepSpeed's extension), then the fault-tolerant tests, mostly waiting on their groups'
-# timeouts, beside busy files rather than beside other waits.
+# them alone at the end: every chapter script launched afresh on one worker, the DeepSpeed rungs on the other,
+# then the fault-tolerant tests, mostly waiting on their groups' timeouts, beside busy files rather than beside
+# other waits.
 LONGEST_FIRST = ["test_as_users_run.py", "test_deepspeed_rungs.py", "test_fault_tolerant.py", "test_resume.py", "test_slurm.py", "test_gpu_paths.py",
                  "test_warm_launch.py", "test_benchmarks.py", "test_compile.py", "test_notebooks.py", "test_lessons.py",
                  "test_simulate.py", "test_debugging.py", "test_figures.py", "test_deepspeed.py", "test_data_pipeline.py",
