@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, offline_env
+from conftest import EVAL_PAIRS, ROOT, TEST_IMAGES, offline_env
 from process_tree import kill_tree
 
 BIN = Path(sys.executable).parent  # where `pip install -e .` put python, torchrun and accelerate
@@ -30,6 +30,11 @@ class Launch:
     command: str  # as the page writes it, with {mnist}, {bert}, {pairs}, {tmp} for the test's files
     last: str  # words of the line the script prints last, on stdout or stderr: they start the exit clock
     env: tuple = ()  # variables the page exports first
+    says: tuple = ()  # more of what the page shows it print
+
+
+# A rung on the test's data evaluates on every test image or pair once, and one rank prints the accuracy: over how many.
+EVALUATED = {"{mnist}": f"over {TEST_IMAGES} images", "{bert}": f"over {EVAL_PAIRS} pairs"}
 
 
 MNIST = "--data-dir {mnist} --epochs 1"
@@ -46,10 +51,11 @@ LAUNCHES = {
                                     "test accuracy"),
     "mnist_5_lightning.py": Launch(f"python src/ch4/mnist_5_lightning.py --devices 2 {MNIST}", "test accuracy"),
     "nli_dp_minimal.py": Launch(f"python src/ch4/nli_dp_minimal.py {BERT}", "accuracy"),
-    "nli_ddp_minimal.py": Launch(f"torchrun --nproc_per_node=2 src/ch4/nli_ddp_minimal.py {BERT}", "accuracy"),
+    "nli_ddp_minimal.py": Launch(f"torchrun --nproc_per_node=2 src/ch4/nli_ddp_minimal.py {BERT}", "accuracy",
+                                 says=("global batch 12 = 2 x 6",)),
     "data_parallel.py": Launch(f"python src/ch4/data_parallel.py {BERT}", "accuracy"),
     "nli_loss_in_forward.py": Launch(f"python src/ch4/nli_loss_in_forward.py {BERT}", "accuracy"),
-    "ddp.py": Launch(f"torchrun --nproc_per_node=2 src/ch4/ddp.py {BERT}", "accuracy"),
+    "ddp.py": Launch(f"torchrun --nproc_per_node=2 src/ch4/ddp.py {BERT}", "accuracy", says=("global batch 12 = 2 x 6",)),
     "nli_accelerate.py": Launch(f"accelerate launch --config_file {CPU_2} src/ch4/nli_accelerate.py {BERT}", "accuracy"),
     "nli_trainer.py": Launch(f"torchrun --nproc_per_node=3 src/ch4/nli_trainer.py {BERT}", "accuracy"),
     "data_pipeline/mnist_workers.py": Launch(
@@ -202,6 +208,11 @@ def test_a_chapter_script_runs_and_exits_as_users_run_it(script, files, tmp_path
         env["TORCHFT_LIGHTHOUSE"] = request.getfixturevalue("lighthouse")
     result = launch_as_user(users_command(launch, {**files, "tmp": tmp_path}), launch.last, env, script)
     assert_launched_cleanly(result, script)
+    for phrase in launch.says:
+        assert phrase in result.stdout, f"{script} did not print {phrase!r}:\n{result.stdout[-2000:]}"
+    for data, evaluated in EVALUATED.items():
+        if data in launch.command:
+            assert result.stdout.count(evaluated) == 1, f"{script}: {evaluated!r} not once:\n{result.stdout[-2000:]}"
 
 
 # ---- the negative controls: a rung with a fault planted after its last line fails its test ----

@@ -17,8 +17,8 @@ def assert_ok(result):
     assert_ran(result, EXACT)
 
 
-@pytest.mark.parametrize("script", ["mnist_1_single.py", "mnist_2_data_parallel.py", "mnist_4_accelerate.py",
-                                    "mnist_5_lightning.py"])
+# mnist_1_single.py and mnist_2_data_parallel.py run with python in test_as_users_run.py; these two run there launched
+@pytest.mark.parametrize("script", ["mnist_4_accelerate.py", "mnist_5_lightning.py"])
 def test_one_process_with_python(run_command, tiny_mnist, script):
     assert_ok(run_command(PYTHON, CH4 / script, "--data-dir", tiny_mnist))
 

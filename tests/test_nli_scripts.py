@@ -1,4 +1,5 @@
-"""The BERT chapter's scripts, run as users run them, offline, on a tiny random BERT and 130 NLI pairs.
+"""The BERT chapter's scripts, run as users run them, offline, on a tiny random BERT and 130 NLI pairs (each
+script's own launch, at its page's process count, is in test_as_users_run.py).
 
 The 90/10 split holds out 13 pairs, which divide by neither 2 nor 3 processes: every run must
 report an accuracy over exactly 13 pairs.
@@ -8,7 +9,7 @@ import runpy
 import pytest
 import torch
 import torch.nn as nn
-from conftest import EVAL_PAIRS, PYTHON, ROOT, TORCHRUN, assert_clear_error, assert_ran
+from conftest import EVAL_PAIRS, PYTHON, ROOT, assert_clear_error, assert_ran
 
 from common.loss_in_forward import LossInForward
 
@@ -22,11 +23,6 @@ def data_flags(tiny_bert, nli_pairs):
 
 def assert_ok(result):
     assert_ran(result, EXACT)
-
-
-@pytest.mark.parametrize("script", ["data_parallel.py", "nli_loss_in_forward.py", "nli_dp_minimal.py"])
-def test_one_process_with_python(run_command, tiny_bert, nli_pairs, script):
-    assert_ok(run_command(PYTHON, CH4 / script, *data_flags(tiny_bert, nli_pairs)))
 
 
 def test_minimal_prints_the_loss_every_10_steps(run_command, tiny_bert, nli_pairs):
@@ -46,15 +42,6 @@ def test_help_prints_the_defaults_the_script_trains_with(monkeypatch, capsys, sc
         runpy.run_path(str(CH4 / script), run_name="__main__")
     flat = " ".join(capsys.readouterr().out.split())
     assert f"learning rate (default: {lr})" in flat and f"optimizer steps (default: {max_steps})" in flat
-
-
-@pytest.mark.parametrize("script, nproc, batch", [("ddp.py", 2, 32), ("nli_ddp_minimal.py", 2, 32)])  # 3: test_lessons.py
-def test_ddp_with_torchrun(run_command, tiny_bert, nli_pairs, script, nproc, batch):
-    result = run_command(*TORCHRUN, f"--nproc_per_node={nproc}", CH4 / script, *data_flags(tiny_bert, nli_pairs),
-                         "--batch-size", batch)
-    assert_ok(result)
-    assert f"global batch {batch} = {nproc} x {batch // nproc}" in result.stdout
-    assert result.stdout.count("eval accuracy") == 1
 
 
 def test_validation_matched_from_a_saved_dataset(run_command, tiny_bert, nli_pairs, tmp_path):
