@@ -154,14 +154,14 @@ CH4 = ROOT / "src" / "ch4"
 CRASH = ROOT / "tests" / "crash.py"
 LAUNCHES = {
     "single": [PYTHON, CH4 / "mnist_1_single.py"],
-    "ddp": [*TORCHRUN, "--nproc_per_node=2", CH4 / "mnist_3_ddp.py"],
     "accelerate": [*ACCELERATE, "--config_file", CH4 / "accelerate_configs" / "cpu_2_processes.yaml",
                    CH4 / "mnist_4_accelerate.py"],
     "fsdp": [*TORCHRUN, "--nproc_per_node=2", CH4 / "sharded" / "mnist_fsdp.py"],
 }
 
 
-# mnist_2_data_parallel.py is left out: on a CPU, DataParallel calls the module, and the run is step 1's.
+# mnist_2_data_parallel.py is left out: on a CPU, DataParallel calls the module, and the run is step 1's;
+# mnist_3_ddp.py trains with --compile eager in the gloo test below, which checks its accuracy line too.
 # The backend is eager (dynamo's capture, no backward graph): these runs check the flag's wiring under each
 # launcher, the cheapest way; the equality checks above are where the backends are compared.
 @pytest.mark.parametrize("launch", LAUNCHES)
