@@ -4,7 +4,8 @@ Real gloo groups of 2 and 3 processes. Each rank starts from different weights (
 copy rank 0's), feeds its own batches, and after a few AdamW steps the full parameters of every
 stage equal DDP's. The model's unit sizes (32, 8 and 15 numbers) do not divide by 2 or 3, so the
 padded shards are exercised. Dropout is off (eval mode), so that both see the same arithmetic.
-Stage 3 also trains a model one of whose units returns a tuple (or a dict) as DDP does.
+Stage 3 also trains a model one of whose units returns a tuple (or a dict) as DDP does. A unit no forward uses
+stays as it was at every stage, as under DDP with find_unused_parameters=True; one used in part is refused.
 """
 import copy
 
@@ -136,6 +137,44 @@ def nested_outputs_against_ddp(rank, world_size, unit):
             "gathers_in_backward": gathers_in_backward}
 
 
+class WithUnusedParts(nn.Module):
+    """Its middle unit: unused by forward (no gradient on any rank), or used partly (its bias, not its weight: the
+    unit's first parameter gets no gradient, its second does)."""
+
+    def __init__(self, partly: bool):
+        super().__init__()
+        self.first, self.middle, self.head, self.partly = nn.Linear(7, 4), nn.Linear(4, 4), nn.Linear(4, 3), partly
+
+    def forward(self, inputs):
+        hidden = self.first(inputs).relu()
+        return self.head(hidden + self.middle.bias if self.partly else hidden)
+
+
+def unused_parts_against_ddp(rank, world_size, stage):
+    """STEPS steps of ZeRO beside DDP (find_unused_parameters=True) on a model with a unit forward never uses: both
+    end weights, and where they started (rank 0's). Then a unit used partly: what step() raises."""
+    torch.manual_seed(rank)
+    module = WithUnusedParts(partly=False).eval()
+    reference = DDP(copy.deepcopy(module), find_unused_parameters=True)
+    reference_optimizer = adamw(reference.parameters())
+    ours = ZeRO(module, stage, adamw)
+    start = [p.detach().clone() for p in reference.parameters()]  # rank 0's, which DDP broadcast
+    for step in range(STEPS):
+        inputs, labels = batch_for(rank, step)
+        for model, optimizer in ((ours, ours), (reference, reference_optimizer)):
+            F.cross_entropy(model(inputs), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    result = {"ours": ours.full_parameters(), "ddp": [p.detach().clone() for p in reference.parameters()], "start": start}
+    if stage < 3:  # ZeRO-3 holds a parameter only inside its module's forward: middle.bias alone is unsupported there
+        partly = ZeRO(WithUnusedParts(partly=True), stage, adamw)
+        F.cross_entropy(partly(batch_for(rank, 0)[0]), batch_for(rank, 0)[1]).backward()
+        with pytest.raises(RuntimeError) as refused:
+            partly.step()
+        result["refused"] = str(refused.value)
+    return result
+
+
 def misuse_is_an_error():
     with pytest.raises(ValueError, match="stage must be one of"):
         ZeRO(small_model(), 4, adamw)
@@ -148,6 +187,7 @@ def every_stage(rank, world_size):
     """All three stages in one process group (starting processes is the slow part), misuse, and last
     (it patches common.lessons.zero in these processes) the planted bug."""
     results = {"misuse": misuse_is_an_error(), **{stage: train_against_ddp(rank, world_size, stage) for stage in STAGES},
+               **{f"unused {stage}": unused_parts_against_ddp(rank, world_size, stage) for stage in STAGES},
                **{unit.__name__: nested_outputs_against_ddp(rank, world_size, unit) for unit in (TupleLinear, DictLinear)}}
     return {**results, "local_gradients_only": train_against_ddp(rank, world_size, 2, local_gradients_only=True)}
 
@@ -221,6 +261,26 @@ def test_stage_3_on_a_bert_equals_ddp(tiny_bert):
     for a, b in zip(ours, ddp, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert most_gathered == 1
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_unit_no_rank_uses_stays_as_it_was_and_the_others_train_as_ddp(every_stage_run, stage):
+    """One process, and DDP with find_unused_parameters=True, leave a parameter without a gradient alone; so must
+    every stage."""
+    result = every_stage_run[1][f"unused {stage}"]
+    for ours, ddp in zip(result["ours"], result["ddp"], strict=True):
+        torch.testing.assert_close(ours, ddp, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(now, start) for now, start in zip(result["ours"][2:4], result["start"][2:4], strict=True))
+    assert not torch.equal(result["ours"][0], result["start"][0])  # the others trained
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_unit_used_in_part_is_refused_in_one_sentence(every_stage_run, stage):
+    """Its weight without a gradient, its bias with one: stepping the flat shard would move the weight (AdamW's
+    decay), where one process leaves it; every rank refuses, so none waits on the others."""
+    assert every_stage_run[1][f"unused {stage}"]["refused"] == (
+        "1 of 2 parameters of Linear got a gradient: ZeRO shards a module's parameters together and cannot step "
+        "some of them alone; give the others requires_grad=False, or use them in forward")
 
 
 def test_misuse_is_an_error(every_stage_run):

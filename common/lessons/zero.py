@@ -28,6 +28,12 @@ A module's output may be a tensor or any nesting of tuples, lists and dicts of t
 ModelOutput too): stage 3 gathers the parameters again for backward when the first gradient of any of
 its tensors arrives, once per backward.
 
+A unit is trained when its parameters got gradients and left alone when none did (a module this forward did
+not use: one process skips its parameters, and so does DDP with find_unused_parameters=True). A unit some of
+whose parameters got a gradient and others none cannot be stepped as one process would step it (AdamW would
+move the others' numbers in the flat shard), so step() refuses it in one sentence. Which modules a forward uses
+must be the same on every rank: a rank without a unit's gradients would skip the collective its peers wait in.
+
 Limits, to stay short: fp32 parameters (no bf16 copy with an fp32 master), one backward per step,
 each module called once per forward, no parameter shared between modules.
 """
@@ -107,6 +113,7 @@ class ZeRO(nn.Module):
         self.units = [_Unit(m, params, stage) for m in module.modules()
                       if (params := [p for p in m.parameters(recurse=False) if p.requires_grad])]
         self.optimizer = optimizer([unit.shard for unit in self.units])
+        self.averaged = False  # this step's gradients averaged already (by clip_grad_norm_)
         for unit in self.units:
             if stage >= 2:  # reduce-scatter each unit's gradient as soon as backward has produced all of it
                 for param in unit.params:
@@ -136,14 +143,24 @@ class ZeRO(nn.Module):
 
     def _average_gradients(self) -> None:
         """Leave each shard's gradient averaged over the ranks: stage 1 reduce-scatters here (once, if
-        clip_grad_norm_ has not already), stages 2-3 did it in backward."""
-        for unit in self.units:
-            if self.stage == 1:
-                if unit.params[0].grad is not None:
-                    unit.reduce_scatter_gradients()
-            elif unit.grads_ready != len(unit.params):
-                raise RuntimeError(f"{unit.grads_ready} of {len(unit.params)} gradients of "
-                                   f"{type(unit.module).__name__} arrived: call backward() once before step()")
+        clip_grad_norm_ has not already), stages 2-3 did it in backward. Whether a unit trains is decided by
+        every one of its parameters: their gradients (stage 1), the count of their backward hooks (stages 2-3)."""
+        if self.averaged:
+            return
+        if self.stage == 1:
+            counts = [sum(p.grad is not None for p in unit.params) for unit in self.units]
+        else:
+            counts = [unit.grads_ready for unit in self.units]
+        if not any(counts):
+            raise RuntimeError("no gradient arrived: call backward() once before step()")
+        for unit, count in zip(self.units, counts):
+            if 0 < count < len(unit.params):
+                raise RuntimeError(f"{count} of {len(unit.params)} parameters of {type(unit.module).__name__} got a gradient: "
+                                   "ZeRO shards a module's parameters together and cannot step some of them alone; give "
+                                   "the others requires_grad=False, or use them in forward")
+            if count and self.stage == 1:
+                unit.reduce_scatter_gradients()
+        self.averaged = True
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that their total 2-norm over the whole model is at most max_norm, as
@@ -154,11 +171,12 @@ class ZeRO(nn.Module):
         padding is zero), one all-reduce of one number. Every rank gets the same norm and the same
         factor, and the clipped shards are the shards of the gradient one process would clip."""
         self._average_gradients()
-        squares = sum(unit.shard.grad.pow(2).sum() for unit in self.units)
+        trained = [unit for unit in self.units if unit.shard.grad is not None]  # the same units on every rank
+        squares = sum(unit.shard.grad.pow(2).sum() for unit in trained)
         dist.all_reduce(squares)
         total_norm = squares.sqrt()
         factor = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)  # torch's formula, so that results match
-        for unit in self.units:
+        for unit in trained:
             unit.shard.grad.mul_(factor)
         return total_norm
 
@@ -168,6 +186,7 @@ class ZeRO(nn.Module):
         self._average_gradients()
         for unit in self.units:
             unit.grads_ready = 0
+        self.averaged = False
         self.optimizer.step()
         if self.stage < 3:
             for unit in self.units:
