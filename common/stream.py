@@ -11,6 +11,8 @@ the process group's timeout. every_rank_has ends the epoch on every rank at the 
 rank has no batch.
 """
 import argparse
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -41,24 +43,37 @@ def shards_in(folder: str, train_set, local_rank: int) -> Path:
     with main_process_first(local_rank):
         if local_rank == 0 and not any(folder.glob("*.parquet")):
             write_shards(train_set, folder)
+    if not any(folder.glob("*.parquet")):
+        refuse(f"error: {folder} holds files but no Parquet shards; pass an empty or new --stream-dir")
     return folder
 
 
 def write_shards(train_set, folder: Path, sizes: list[int] | None = None) -> None:
     """The training images, labels and indices as Parquet files: SHARDS of (nearly) equal length, or one a size
-    in `sizes`, in order (a test's unequal shards)."""
+    in `sizes`, in order (a test's unequal shards).
+
+    All or nothing, for any number of writers at once (two runs started together on the default folder): each
+    writes into a folder of its own beside `folder` and renames it to `folder` in one step, which succeeds where
+    `folder` is missing or empty; a writer that finds another's shards there already drops its own. A reader sees
+    no shard or every shard, never some."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     pixels = (train_set.images.squeeze(1) * STD + MEAN).mul(255).round().clamp(0, 255).to(torch.uint8)
     cuts = np.cumsum(sizes)[:-1] if sizes else SHARDS
     shards = np.array_split(np.arange(sum(sizes) if sizes else len(train_set)), cuts)
-    folder.mkdir(parents=True, exist_ok=True)
-    for shard, indices in enumerate(shards):
-        table = pa.table({"index": indices, "label": train_set.labels[indices].numpy(),
-                          "image": [pixels[i].numpy().tobytes() for i in indices]})
-        pq.write_table(table, folder / f"train-{shard:05d}-of-{len(shards):05d}.parquet.tmp")
-    for temporary in folder.glob("*.parquet.tmp"):  # all or nothing: a reader sees no half-written folder
-        temporary.rename(temporary.with_suffix(""))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    own = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        for shard, indices in enumerate(shards):
+            table = pa.table({"index": indices, "label": train_set.labels[indices].numpy(),
+                              "image": [pixels[i].numpy().tobytes() for i in indices]})
+            pq.write_table(table, own / f"train-{shard:05d}-of-{len(shards):05d}.parquet")
+        try:
+            own.rename(folder)
+        except OSError:  # folder holds files: another writer's shards, or files of the user's own (shards_in says so)
+            pass
+    finally:
+        shutil.rmtree(own, ignore_errors=True)  # ours, where another writer came first
 
 
 def mnist_stream(folder: Path, rank: int, world_size: int, num_workers: int):

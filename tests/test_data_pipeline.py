@@ -13,9 +13,11 @@ import multiprocessing
 import os
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import TORCHRUN, assert_ran, run_as_user
@@ -28,7 +30,7 @@ from common.loader_state import restore_loader
 from common.mnist import MNISTTensors
 from common.samplers import ResumableDistributedSampler
 from common.stop_signal import leave_signals_to_the_rank
-from common.stream import mnist_stream, write_shards
+from common.stream import mnist_stream, shards_in, write_shards
 from common.worker_seeds import WorkerShift, seed_epoch, seed_worker, warn_if_oversubscribed
 
 PIPELINE = Path(__file__).resolve().parent.parent / "src" / "ch4" / "data_pipeline"
@@ -237,6 +239,43 @@ def test_shards_that_do_not_split_over_ranks_and_workers_are_refused_in_one_sent
         mnist_stream(unequal_shards, 0, 5, 2)
     assert "holds 12 Parquet shards, which do not split evenly over 5 ranks x 2 workers; pass a --stream-dir with a " \
            "multiple of 10 shards" in capsys.readouterr().err
+
+
+def test_two_writers_at_once_show_no_shard_or_all_of_them(images, tmp_path, monkeypatch):
+    """Two runs started together on the default --stream-dir each write the shards. A reader must find none or all
+    12 whenever it looks (shards renamed into place one by one were found one at a time); both writers leave 12
+    whole shards, and nothing of their own beside them."""
+    folder, found, rename = tmp_path / "mnist_stream", [], Path.rename
+
+    def rename_and_look(self, target):  # a reader looking just after each rename into place
+        moved = rename(self, target)
+        found.append(len(list(folder.glob("*.parquet"))))
+        return moved
+    monkeypatch.setattr(Path, "rename", rename_and_look)
+    writers = [threading.Thread(target=write_shards, args=(images, folder)) for _ in range(2)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert found and set(found) == {12}, found
+    assert sum(pq.read_metadata(path).num_rows for path in folder.glob("*.parquet")) == len(images)
+    assert [path.name for path in tmp_path.iterdir()] == ["mnist_stream"]
+    found.clear()  # the control: the same shards renamed into place one by one, as a reader finds them
+    folder, written = tmp_path / "one-by-one", folder
+    folder.mkdir()
+    for shard in sorted(written.glob("*.parquet")):
+        shard.rename(folder / shard.name)
+    assert found == list(range(1, 13))
+
+
+def test_a_stream_dir_of_other_files_is_refused_in_one_sentence_and_kept(images, tmp_path, capsys):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        shards_in(str(folder), images, local_rank=0)
+    assert f"error: {folder} holds files but no Parquet shards; pass an empty or new --stream-dir" in capsys.readouterr().err
+    assert [path.name for path in tmp_path.rglob("*")] == ["mine", "notes.txt"]
 
 
 class Loader:
