@@ -17,10 +17,6 @@ CH4 = ROOT / "src" / "ch4"
 EXACT = f"over {EVAL_PAIRS} pairs"
 
 
-def data_flags(tiny_bert, nli_pairs):
-    return ["--model", tiny_bert, "--dataset", nli_pairs, "--max-steps", "4", "--dist-timeout", "120"]
-
-
 def assert_ok(result):
     assert_ran(result, EXACT)
 

@@ -167,8 +167,8 @@ def unused_parts_against_ddp(rank, world_size, stage):
             optimizer.zero_grad()
     result = {"ours": ours.full_parameters(), "ddp": [p.detach().clone() for p in reference.parameters()], "start": start}
     if stage < 3:  # ZeRO-3 holds a parameter only inside its module's forward: middle.bias alone is unsupported there
-        partly = ZeRO(WithUnusedParts(partly=True), stage, adamw)
-        F.cross_entropy(partly(batch_for(rank, 0)[0]), batch_for(rank, 0)[1]).backward()
+        partly, (inputs, labels) = ZeRO(WithUnusedParts(partly=True), stage, adamw), batch_for(rank, 0)
+        F.cross_entropy(partly(inputs), labels).backward()
         with pytest.raises(RuntimeError) as refused:
             partly.step()
         result["refused"] = str(refused.value)
